@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Worker pod entrypoint: run a non-root sshd in the foreground for the launcher's pdsh.
+# On SIGTERM (eviction, scale-down) the local DeepSpeed ranks get SIGTERM first, so they can save a
+# checkpoint within the pod's grace period, then sshd stops.
+set -euo pipefail
+scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=ssh-setup.sh
+source "$scripts_dir/ssh-setup.sh"
+
+# Ranks started over SSH do not inherit this container's env. sshd hands them ~/.ssh/environment
+# (PermitUserEnvironment): PATH, so they find the image's tools, and the env entries that came from
+# valueFrom (secrets), which never pass through a shell or the launcher's log.
+{
+  echo "PATH=$PATH"
+  for name in ${DS_POD_ENV_NAMES:-}; do
+    value="${!name-}"
+    if [[ "$value" == *$'\n'* ]]; then
+      echo "worker: env $name contains a newline; sshd's environment file cannot carry it" >&2
+      exit 1
+    fi
+    echo "$name=$value"
+  done
+} > "$HOME/.ssh/environment"
+chmod 600 "$HOME/.ssh/environment"
+
+stop() {
+  echo "worker: SIGTERM: stopping local ranks"
+  bash "$scripts_dir/kill-ranks.sh" || true
+  kill -TERM "$sshd_pid" 2>/dev/null || true
+}
+trap stop TERM INT
+
+sshd_bin="$(command -v sshd || echo /usr/sbin/sshd)"
+echo "worker: $(hostname) starting sshd on port $DS_SSH_PORT"
+"$sshd_bin" -D -e -f "$HOME/.ssh/sshd_config" &
+sshd_pid=$!
+# `wait` returns early when a trapped signal arrives; wait again for sshd itself.
+wait "$sshd_pid" || true
+wait "$sshd_pid" 2>/dev/null || true

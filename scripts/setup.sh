@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# `make setup`: installs everything the tests, the demo and the chart tooling need. Idempotent; a second
+# run takes seconds. Debian packages need root (CI and our machines run as root).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+log() { echo "setup: $*"; }
+
+# 1. Debian packages: sshd/ssh/pdsh for the launcher path, iproute2/util-linux for the e2e hosts.
+declare -A pkg_for=([sshd]=openssh-server [ssh]=openssh-client [pdsh]=pdsh [ip]=iproute2 [unshare]=util-linux
+  [shellcheck]=shellcheck [unzip]=unzip [npm]=npm [g++]=g++)
+missing=()
+for cmd in "${!pkg_for[@]}"; do
+  command -v "$cmd" > /dev/null || [[ -x "/usr/sbin/$cmd" ]] || missing+=("${pkg_for[$cmd]}")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    log "missing Debian packages ${missing[*]}: install them as root"
+    exit 1
+  fi
+  log "apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" > /dev/null
+fi
+
+# 2. helm 4 and helm 3 (pinned) under .tools/bin.
+bash scripts/install-tools.sh
+
+# 3. The Python environment: torch first, then deepspeed without build isolation, then the rest.
+stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [[ ! -f "$stamp" ]]; then
+  [[ -x .venv/bin/python ]] || python3 -m venv .venv
+  pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+  "${pip[@]}" torch==2.13.0
+  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation deepspeed==0.19.8
+  "${pip[@]}" -e '.[dev]'
+  rm -f .venv/.installed-*
+  touch "$stamp"
+  log "python environment ready in .venv"
+fi
+
+# 4. checkov in its own environment: its pinned dependencies do not resolve beside ours.
+if [[ ! -x .tools/checkov/bin/checkov ]]; then
+  python3 -m venv .tools/checkov
+  .tools/checkov/bin/python -m pip install -q --disable-pip-version-check checkov==3.3.30
+  log "checkov ready in .tools/checkov"
+fi
+
+# 5. DeepSpeed JIT-builds its CPU shared-memory comm op at every init_distributed (1-4 minutes). Build it
+#    once into .build/torch_extensions, which `make` points TORCH_EXTENSIONS_DIR at.
+export TORCH_EXTENSIONS_DIR="$root/.build/torch_extensions" PATH="$root/.venv/bin:$PATH"
+# A build killed half-way leaves a lock that makes every later load wait forever.
+find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2> /dev/null || true
+if [[ -z "$(find "$TORCH_EXTENSIONS_DIR" -name deepspeed_shm_comm.so 2> /dev/null)" ]]; then
+  log "building DeepSpeed's shm_comm op (once; 1-4 minutes)"
+  python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
+fi
+log "done"

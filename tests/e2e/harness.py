@@ -1,0 +1,306 @@
+"""Runs the pods of a RENDERED chart as hosts on this machine, so the real chart is tested without a cluster.
+
+Each pod the chart would create (every worker ordinal and the launcher) becomes a "host":
+- its own network namespace, with a veth into a private bridge that lives in a namespace of its own (nothing
+  is added to the machine's own network), and addresses in 10.231.<n>.0/24, used only inside them;
+- its own UTS namespace with the pod's hostname, and a hosts file (/etc/netns/<ns>/hosts) that resolves
+  `<pod>.<service>` and `<pod>.<service>.<namespace>.svc.<clusterDomain>` for every worker as cluster DNS does;
+- its own mount namespace in which the pod's ConfigMap and Secret volumes appear at their mountPaths (files
+  written from the rendered objects, honouring items and defaultMode), emptyDirs as fresh directories, and
+  PersistentVolumeClaims as one shared directory per claim (the checkpoint PVC);
+- the container's env, workingDir, command and args exactly as rendered, run as the pod's runAsUser.
+
+The local Python environment stands in for the image: the chart's pods need nothing from the image but
+PATH-resolvable programs (bash, sshd, ssh, ssh-keygen, pdsh, python, deepspeed) and take their scripts from
+the ConfigMap, so the harness puts the venv first on PATH. Not emulated: resource limits, probes,
+readOnlyRootFilesystem (the image test covers it), NetworkPolicy. Needs root; cleans up every namespace,
+mount point, file and process it made, also when a test fails.
+"""
+
+import base64
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = ROOT / ".venv" / "bin"
+
+
+def namespaces_available() -> str | None:
+    """None when the harness can run here, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "needs root (network, UTS and mount namespaces)"
+    for tool in ("ip", "unshare", "setpriv", "sshd", "pdsh"):
+        if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
+            return f"{tool} is not installed (make setup)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"namespaces are not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+@dataclass
+class Pod:
+    name: str
+    component: str
+    hostname: str
+    container: dict
+    volumes: list[dict]
+    uid: int
+    gid: int
+    fqdn: str = ""
+    ip: str = ""
+    netns: str = ""
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+    mounts: dict[str, Path] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+
+def pods_from_render(docs: list[dict]) -> list[Pod]:
+    """The pods Kubernetes would create for the rendered StatefulSet and Job."""
+    pods = []
+    for doc in docs:
+        if doc["kind"] not in ("StatefulSet", "Job"):
+            continue
+        spec = doc["spec"]["template"]["spec"]
+        security = spec.get("securityContext", {})
+        uid, gid = security.get("runAsUser", 0), security.get("runAsGroup", security.get("runAsUser", 0))
+        base = doc["metadata"]["name"]
+        if doc["kind"] == "StatefulSet":
+            for ordinal in range(doc["spec"]["replicas"]):
+                name = f"{base}-{ordinal}"
+                fqdn = f"{name}.{doc['spec']['serviceName']}.{doc['metadata']['namespace']}.svc.cluster.local"
+                pods.append(Pod(name, "worker", name, spec["containers"][0], spec["volumes"], uid, gid, fqdn))
+        else:
+            name = f"{base}-{uuid.uuid4().hex[:5]}"
+            pods.append(Pod(name, "launcher", name, spec["containers"][0], spec["volumes"], uid, gid))
+    return pods
+
+
+def ensure_user(uid: int, home: str) -> str:
+    """A local user with this uid whose passwd home is `home` (sshd reads ~/.ssh/environment from there)."""
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        name = f"ds{uid}"
+        subprocess.run(["useradd", "--uid", str(uid), "--user-group", "--no-create-home", "--home-dir", home,
+                        "--shell", "/bin/bash", name], check=True, capture_output=True)
+        subprocess.run(["usermod", "-p", "*", name], check=True)  # '!' would mean locked to sshd (UsePAM no)
+        return name
+    if entry.pw_dir != home:
+        raise RuntimeError(f"uid {uid} ({entry.pw_name}) has home {entry.pw_dir}, the chart expects {home}")
+    return entry.pw_name
+
+
+class Cluster:
+    """Hosts for the pods of one render. Use as a context manager; everything is removed on exit."""
+
+    def __init__(self, docs: list[dict], subnet: int = 231):
+        self.docs = docs
+        self.id = uuid.uuid4().hex[:6]
+        self.subnet = subnet
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"ds-e2e-{self.id}-"))
+        os.chmod(self.tmp, 0o755)
+        self.pods = pods_from_render(docs)
+        self.switch = f"ds{self.id}sw"
+        self.claims: dict[str, Path] = {}
+        self.created_dirs: list[Path] = []
+        for i, pod in enumerate(self.pods):
+            pod.ip, pod.netns = f"10.{subnet}.0.{10 + i}", f"ds{self.id}p{i}"
+
+    # ---- lifecycle
+    def __enter__(self):
+        try:
+            self._run("ip", "netns", "add", self.switch)
+            self._ns(self.switch, "ip", "link", "add", "br0", "type", "bridge")
+            self._ns(self.switch, "ip", "link", "set", "br0", "up")
+            for i, pod in enumerate(self.pods):
+                self._add_host(i, pod)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for pod in self.pods:
+            self.kill(pod)
+        for pod in self.pods:
+            subprocess.run(["ip", "netns", "del", pod.netns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{pod.netns}", ignore_errors=True)
+        subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)
+        for path in reversed(self.created_dirs):
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _run(self, *cmd):
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    def _ns(self, ns, *cmd):
+        self._run("ip", "netns", "exec", ns, *cmd)
+
+    def _add_host(self, i: int, pod: Pod):
+        self._run("ip", "netns", "add", pod.netns)
+        outside, inside = f"ds{self.id}v{i}", "eth0"
+        self._run("ip", "link", "add", outside, "netns", self.switch, "type", "veth", "peer", inside,
+                  "netns", pod.netns)
+        self._ns(self.switch, "ip", "link", "set", outside, "master", "br0", "up")
+        self._ns(pod.netns, "ip", "addr", "add", f"{pod.ip}/24", "dev", inside)
+        self._ns(pod.netns, "ip", "link", "set", inside, "up")
+        self._ns(pod.netns, "ip", "link", "set", "lo", "up")
+        etc = Path(f"/etc/netns/{pod.netns}")
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(self._hosts_file(pod))
+
+    def _hosts_file(self, pod: Pod) -> str:
+        lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.hostname}"]
+        for other in self.pods:
+            if other.fqdn:
+                short = other.fqdn.split(".svc.")[0].rsplit(".", 1)[0]  # <pod>.<service>
+                lines.append(f"{other.ip} {other.fqdn} {short}")
+        return "\n".join(lines) + "\n"
+
+    # ---- volumes
+    def _object(self, kind: str, name: str) -> dict:
+        for doc in self.docs:
+            if doc["kind"] == kind and doc["metadata"]["name"] == name:
+                return doc
+        raise RuntimeError(f"{kind} {name} is not in the render (add it to the docs, as a cluster would have it)")
+
+    def _materialize(self, pod: Pod) -> dict[str, Path]:
+        """mountPath -> directory on this machine holding what the pod sees there."""
+        by_name = {v["name"]: v for v in pod.volumes}
+        mounts = {}
+        for mount in pod.container.get("volumeMounts", []):
+            volume = by_name[mount["name"]]
+            target = self.tmp / pod.name / mount["name"]
+            if "configMap" in volume or "secret" in volume:
+                source = volume.get("configMap") or volume["secret"]
+                kind, name = ("ConfigMap", source["name"]) if "configMap" in volume else ("Secret", source["secretName"])
+                data = self._object(kind, name).get("data", {})
+                if kind == "Secret":
+                    data = {k: base64.b64decode(v) for k, v in data.items()}
+                items = source.get("items") or [{"key": k, "path": k} for k in data]
+                target.mkdir(parents=True, exist_ok=True)
+                for item in items:
+                    path = target / item["path"]
+                    value = data[item["key"]]
+                    path.write_bytes(value if isinstance(value, bytes) else value.encode())
+                    os.chown(path, 0, pod.gid)  # as the kubelet does with fsGroup
+                    os.chmod(path, item.get("mode", source.get("defaultMode", 0o644)))
+            elif "emptyDir" in volume:
+                target.mkdir(parents=True, exist_ok=True)
+                os.chmod(target, 0o777)  # the kubelet's mode for emptyDirs
+            elif "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                target = self.claim_dir(claim)
+            else:
+                raise RuntimeError(f"{pod.name}: volume {mount['name']}: type not emulated")
+            mounts[mount["mountPath"]] = target
+        return mounts
+
+    def claim_dir(self, claim: str) -> Path:
+        if claim not in self.claims:
+            path = self.tmp / "claims" / claim
+            path.mkdir(parents=True)
+            os.chmod(path, 0o777)
+            self.claims[claim] = path
+        return self.claims[claim]
+
+    def _mountpoint(self, path: str):
+        p = Path(path)
+        missing = []
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            d.mkdir()
+            self.created_dirs.append(d)
+
+    # ---- processes
+    def start(self, pod: Pod, argv: list[str] | None = None, log_name: str | None = None) -> subprocess.Popen:
+        """Starts the pod's container command (or `argv`, like kubectl exec) as the pod's user."""
+        pod.mounts = pod.mounts or self._materialize(pod)
+        for mount_path, source in pod.mounts.items():
+            self._mountpoint(mount_path)
+        argv = argv or pod.container.get("command", []) + pod.container.get("args", [])
+        env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOSTNAME": pod.hostname}
+        for item in pod.container.get("env", []):
+            if "value" in item:
+                env[item["name"]] = item["value"]
+            elif "fieldRef" in item.get("valueFrom", {}):
+                env[item["name"]] = {"metadata.namespace": "default"}[item["valueFrom"]["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in item.get("valueFrom", {}):
+                ref = item["valueFrom"]["secretKeyRef"]
+                secret = self._object("Secret", ref["name"])
+                env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        binds = "".join(f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}; "
+                        for dst, src in sorted(pod.mounts.items()))
+        workdir = pod.container.get("workingDir", "/")
+        inner = (f"hostname {shlex.quote(pod.hostname)}; {binds}cd {shlex.quote(workdir)}; exec setpriv "
+                 f"--reuid={pod.uid} --regid={pod.gid} --clear-groups --inh-caps=-all "
+                 f"env -i {' '.join(shlex.quote(f'{k}={v}') for k, v in env.items())} "
+                 + " ".join(shlex.quote(a) for a in argv))
+        pod.log_path = self.tmp / f"{log_name or pod.name}.log"
+        log = open(pod.log_path, "ab")
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", pod.netns, "unshare", "--uts", "--mount", "--propagation", "private",
+             "bash", "-c", inner], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if argv == pod.container.get("command", []) + pod.container.get("args", []):
+            pod.process = process
+        return process
+
+    def exec(self, pod: Pod, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        name = f"{pod.name}-exec-{uuid.uuid4().hex[:4]}"
+        process = self.start(pod, argv, log_name=name)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+        return subprocess.CompletedProcess(argv, code, (self.tmp / f"{name}.log").read_text(errors="replace"))
+
+    def pids(self, pod: Pod) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", pod.netns], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def kill(self, pod: Pod, sig: int = signal.SIGKILL) -> None:
+        """Like a node dying: every process in the pod's network namespace gets `sig`."""
+        for pid in self.pids(pod):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if pod.process and sig == signal.SIGKILL:
+            try:
+                pod.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def wait_for_port(self, pod: Pod, port: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            probe = subprocess.run(["ip", "netns", "exec", pod.netns, "bash", "-c",
+                                    f"exec 3<>/dev/tcp/127.0.0.1/{port}"], capture_output=True)
+            if probe.returncode == 0:
+                return
+            if pod.process and pod.process.poll() is not None:
+                raise RuntimeError(f"{pod.name} exited with {pod.process.returncode}:\n{pod.log()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"{pod.name}: nothing listens on {port} after {timeout}s:\n{pod.log()}")
+
+    def pods_of(self, component: str) -> list[Pod]:
+        return [p for p in self.pods if p.component == component]

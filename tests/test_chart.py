@@ -1,0 +1,366 @@
+"""The chart, rendered by the real helm 4 and helm 3 binaries."""
+
+import base64
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from tests.helm_template import (
+    CHART, CI_VALUES, HELM, HelmError, by_kind, container, env_of, helm_binaries, one, render_chart,
+)
+
+pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
+HELMS = helm_binaries()
+WORKER, LAUNCHER = "worker", "launcher"
+
+
+def workloads(docs):
+    return one(docs, "StatefulSet", "-worker"), one(docs, "Job", "-launcher")
+
+
+def config_data(docs) -> dict:
+    return one(docs, "ConfigMap", "-config")["data"]
+
+
+@pytest.mark.parametrize("helm", HELMS.values(), ids=HELMS.keys())
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=[f.name for f in CI_VALUES])
+def test_ci_values_render_the_job(helm, values_file):
+    docs = render_chart(values_files=[values_file], helm=helm)
+    kinds = {d["kind"] for d in docs}
+    assert {"Service", "StatefulSet", "Job", "ConfigMap"} <= kinds
+    values = yaml.safe_load(values_file.read_text())
+    assert ("Secret" in kinds) == ("existingSecret" not in values.get("ssh", {}))
+    assert ("NetworkPolicy" in kinds) == values.get("networkPolicy", {}).get("enabled", True)
+    assert ("Role" in kinds) == values.get("launcher", {}).get("scaleDownWorkers", True)
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=[f.name for f in CI_VALUES])
+def test_helm_lint_strict_is_clean(values_file):
+    for helm in HELMS.values():
+        proc = subprocess.run([helm, "lint", "--strict", str(CHART), "-f", str(values_file)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_selectors_hold_only_name_instance_component():
+    docs = render_chart()
+    sts, job = workloads(docs)
+    selector = sts["spec"]["selector"]["matchLabels"]
+    assert selector == {"app.kubernetes.io/name": "deepspeed-training", "app.kubernetes.io/instance": "job",
+                        "app.kubernetes.io/component": WORKER}
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert pod_labels["helm.sh/chart"].startswith("deepspeed-training-")
+    service = one(docs, "Service")
+    assert service["spec"]["selector"] == selector
+    assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == LAUNCHER
+    for doc in docs:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm", doc["kind"]
+
+
+def test_headless_service_publishes_workers_before_ready():
+    docs = render_chart()
+    service, (sts, _) = one(docs, "Service"), workloads(docs)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["ports"] == [{"name": "ssh", "port": 2222, "targetPort": "ssh", "protocol": "TCP"}]
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"]
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+
+
+def test_gpus_per_worker_sets_slots_and_limits():
+    docs = render_chart({"worker": {"replicas": 3, "gpusPerWorker": 4, "resources": {"limits": {"memory": "8Gi"}}}})
+    hostfile = config_data(docs)["hostfile"].splitlines()
+    domain = "job-deepspeed-training-worker.default.svc.cluster.local"
+    assert hostfile == [f"job-deepspeed-training-worker-{i}.{domain} slots=4" for i in range(3)]
+    sts, _ = workloads(docs)
+    assert sts["spec"]["replicas"] == 3
+    assert container(sts)["resources"]["limits"] == {"memory": "8Gi", "nvidia.com/gpu": 4}
+
+
+def test_empty_gpu_resource_name_requests_no_gpu():
+    sts, _ = workloads(render_chart({"worker": {"gpuResourceName": "", "gpusPerWorker": 2}}))
+    assert container(sts)["resources"] == {}
+
+
+def test_gpu_resource_name_is_configurable():
+    sts, _ = workloads(render_chart({"worker": {"gpuResourceName": "amd.com/gpu", "gpusPerWorker": 8}}))
+    assert container(sts)["resources"]["limits"] == {"amd.com/gpu": 8}
+
+
+def test_ds_config_in_configmap_equals_values():
+    config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3},
+              "bf16": {"enabled": True}}
+    docs = render_chart({"deepspeed": {"config": config}, "worker": {"replicas": 4, "gpusPerWorker": 2}})
+    rendered = json.loads(config_data(docs)["ds_config.json"])
+    assert rendered == config  # replaces the default whole: no default key is merged in
+
+
+def test_empty_ds_config_uses_the_default_file():
+    rendered = json.loads(config_data(render_chart())["ds_config.json"])
+    assert rendered == json.loads((CHART / "files" / "ds_config.default.json").read_text())
+
+
+def test_train_config_and_args_reach_the_launcher_command():
+    docs = render_chart({"train": {"config": {"steps": 7}, "args": ["--log-every", "3"], "module": "mytrain"}})
+    assert json.loads(config_data(docs)["train_config.json"]) == {"steps": 7}
+    _, job = workloads(docs)
+    args = container(job)["args"]
+    assert container(job)["command"] == ["bash", "/etc/deepspeed/scripts/launcher.sh"]
+    assert args[0] == "deepspeed"
+    assert args[args.index("--module") + 1] == "mytrain"
+    assert "--ds-config=/etc/deepspeed/config/ds_config.json" in args
+    assert "--config=/etc/deepspeed/config/train_config.json" in args
+    assert "--checkpoint-dir=/checkpoints" in args
+    assert args[-2:] == ["--log-every", "3"]
+    assert "--master_addr=job-deepspeed-training-worker-0.job-deepspeed-training-worker.default.svc.cluster.local" in args
+
+
+def test_ssh_keys_live_only_in_the_secret_and_load_in_openssh(tmp_path):
+    docs = render_chart()
+    secret = one(docs, "Secret")
+    assert set(secret["data"]) == {"id_ecdsa", "ssh_host_ecdsa_key"}
+    for name, encoded in secret["data"].items():
+        key = tmp_path / name
+        key.write_bytes(base64.b64decode(encoded))
+        key.chmod(0o600)
+        public = subprocess.run(["ssh-keygen", "-y", "-f", str(key)], capture_output=True, text=True, check=True)
+        assert public.stdout.startswith("ecdsa-sha2-nistp256 ")
+    for doc in docs:
+        if doc["kind"] != "Secret":
+            assert "PRIVATE KEY" not in yaml.safe_dump(doc), doc["kind"]
+
+
+def test_existing_secret_replaces_the_generated_one():
+    docs = render_chart({"ssh": {"existingSecret": "team-keys"}})
+    assert by_kind(docs, "Secret") == []
+    for workload in workloads(docs):
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["ssh-keys"]["secret"]["secretName"] == "team-keys"
+
+
+def test_pods_run_restricted_and_workers_get_a_tcp_readiness_probe():
+    sts, job = workloads(render_chart())
+    for workload in (sts, job):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        ctx = container(workload)["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["capabilities"] == {"drop": ["ALL"]}
+        assert ctx["readOnlyRootFilesystem"] is True
+    assert container(sts)["readinessProbe"]["tcpSocket"] == {"port": "ssh"}
+    assert container(sts)["livenessProbe"]["tcpSocket"] == {"port": "ssh"}
+    assert container(sts)["ports"][0] == {"name": "ssh", "containerPort": 2222, "protocol": "TCP"}
+
+
+def test_only_the_launcher_gets_a_token_and_only_to_scale_workers():
+    docs = render_chart()
+    sts, job = workloads(docs)
+    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
+    assert sts["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    role = one(docs, "Role")
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
+                              "resourceNames": [sts["metadata"]["name"]], "verbs": ["get", "patch"]}]
+    assert one(docs, "RoleBinding")["subjects"][0]["name"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert env_of(job)["DS_SCALE_DOWN_WORKERS"] == "true"
+
+
+def test_keeping_workers_up_drops_the_token_and_the_role():
+    docs = render_chart({"launcher": {"scaleDownWorkers": False}})
+    _, job = workloads(docs)
+    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert by_kind(docs, "Role") == [] and by_kind(docs, "RoleBinding") == []
+    assert env_of(job)["DS_SCALE_DOWN_WORKERS"] == "false"
+
+
+def test_network_policy_admits_only_pods_of_the_release():
+    docs = render_chart()
+    policy = one(docs, "NetworkPolicy")
+    release = {"app.kubernetes.io/name": "deepspeed-training", "app.kubernetes.io/instance": "job"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == release
+    for workload in workloads(docs):
+        assert release.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
+    assert by_kind(render_chart({"networkPolicy": {"enabled": False}}), "NetworkPolicy") == []
+
+
+def test_checksum_rolls_pods_when_ds_config_changes():
+    def checksums(values):
+        return [w["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for w in workloads(render_chart(values))]
+    base = checksums(None)
+    assert base[0] == base[1]
+    assert checksums(None) == base  # stable: generated keys are not part of it
+    assert checksums({"deepspeed": {"config": {"gradient_clipping": 0.5}}}) != base
+
+
+def test_plain_env_goes_to_deepspeed_env_and_secret_env_through_the_worker():
+    env = [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "PATHS", "value": "/a:/b,c=d"},
+           {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    docs = render_chart({"env": env})
+    assert config_data(docs)["deepspeed_env"] == "NCCL_DEBUG=INFO\nPATHS=/a:/b,c=d\n"
+    sts, job = workloads(docs)
+    worker_env = env_of(sts)
+    assert worker_env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert worker_env["DS_POD_ENV_NAMES"] == "HF_TOKEN"
+    assert "HF_TOKEN" not in env_of(job)
+    assert "hf" not in config_data(docs)["deepspeed_env"]
+
+
+@pytest.mark.parametrize("value", ["a$(id)", "`id`", 'say "hi"', "back\\slash", "two\nlines", "${HOME}"])
+def test_hostile_env_values_are_refused_naming_the_key(value):
+    with pytest.raises(HelmError) as err:
+        render_chart({"env": [{"name": "OK", "value": "fine"}, {"name": "EVIL", "value": value}]})
+    assert "env[1] (EVIL)" in err.value.stderr
+    assert "valueFrom" in err.value.stderr
+
+
+@pytest.mark.parametrize("arg", ["$(id)", "a b", "x;rm", "--name='q'"])
+def test_train_args_that_a_remote_shell_would_interpret_are_refused(arg):
+    with pytest.raises(HelmError) as err:
+        render_chart({"train": {"args": ["--ok", arg]}})
+    assert "train.args[1]" in err.value.stderr
+
+
+def test_checkpoint_volume_follows_the_values():
+    def checkpoint_volume(values):
+        sts, _ = workloads(render_chart({"checkpoints": values}))
+        volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+        return volumes.get("checkpoints"), sts["spec"].get("volumeClaimTemplates")
+
+    volume, claims = checkpoint_volume({"existingClaim": "ckpt"})
+    assert volume["persistentVolumeClaim"] == {"claimName": "ckpt"} and claims is None
+    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}}
+    volume, claims = checkpoint_volume({"volumeClaimSpec": spec})
+    assert volume is None and claims[0]["metadata"]["name"] == "checkpoints" and claims[0]["spec"] == spec
+    volume, claims = checkpoint_volume({"mountPath": "/ckpt"})
+    assert volume == {"name": "checkpoints", "emptyDir": {}} and claims is None
+
+
+def test_data_claim_is_mounted_read_only_everywhere():
+    for workload in workloads(render_chart({"data": {"existingClaim": "corpus", "mountPath": "/corpus"}})):
+        mounts = {m["name"]: m for m in container(workload)["volumeMounts"]}
+        assert mounts["data"] == {"name": "data", "mountPath": "/corpus", "readOnly": True}
+
+
+def test_shm_is_memory_backed_with_the_configured_size():
+    sts, _ = workloads(render_chart({"worker": {"shmSize": "32Gi"}}))
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+def test_component_scheduling_falls_back_to_global():
+    values = {"global": {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                         "priorityClassName": "high"},
+              "launcher": {"nodeSelector": {"pool": "cpu"}}}
+    sts, job = workloads(render_chart(values))
+    worker_pod, launcher_pod = sts["spec"]["template"]["spec"], job["spec"]["template"]["spec"]
+    assert worker_pod["nodeSelector"] == {"pool": "gpu"}
+    assert launcher_pod["nodeSelector"] == {"pool": "cpu"}
+    assert worker_pod["tolerations"] == launcher_pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert worker_pod["priorityClassName"] == launcher_pod["priorityClassName"] == "high"
+
+
+def test_gang_scheduling_hooks():
+    docs = render_chart({"worker": {"replicas": 5}, "scheduling": {
+        "schedulerName": "volcano", "kueueQueueName": "team-a", "volcano": {"enabled": True, "queue": "q"}}})
+    podgroup = one(docs, "PodGroup")
+    assert podgroup["spec"] == {"minMember": 6, "queue": "q"}
+    for workload in workloads(docs):
+        assert workload["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        template = workload["spec"]["template"]
+        assert template["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == podgroup["metadata"]["name"]
+        assert template["spec"]["schedulerName"] == "volcano"
+    assert by_kind(render_chart(), "PodGroup") == []
+
+
+def test_launcher_job_knobs():
+    _, job = workloads(render_chart({"launcher": {"backoffLimit": 1, "activeDeadlineSeconds": 3600,
+                                                  "ttlSecondsAfterFinished": 0, "waitTimeoutSeconds": 42}}))
+    assert job["spec"]["backoffLimit"] == 1
+    assert job["spec"]["activeDeadlineSeconds"] == 3600
+    assert job["spec"]["ttlSecondsAfterFinished"] == 0
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    assert env_of(job)["DS_WAIT_TIMEOUT_SECONDS"] == "42"
+    _, job = workloads(render_chart())
+    assert "activeDeadlineSeconds" not in job["spec"] and "ttlSecondsAfterFinished" not in job["spec"]
+
+
+def test_long_release_names_keep_pod_names_valid_dns_labels():
+    docs = render_chart(release="a-long-release-name-for-the-training-job-of-vision-ml")
+    sts, _ = workloads(docs)
+    assert len(sts["metadata"]["name"]) <= 52  # Kubernetes' limit for StatefulSets
+    for doc in docs:
+        assert len(doc["metadata"]["name"]) <= 63
+
+
+def test_pass_through_pod_settings():
+    values = {"worker": {"podAnnotations": {"a": "1"}, "podLabels": {"team": "ml"},
+                         "extraVolumes": [{"name": "cache", "emptyDir": {}}],
+                         "extraVolumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+                         "extraEnv": [{"name": "X", "value": "1"}],
+                         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                                        "whenUnsatisfiable": "ScheduleAnyway"}]},
+              "image": {"pullSecrets": ["regcred"], "tag": "v9", "pullPolicy": "Always"}}
+    sts, job = workloads(render_chart(values))
+    template = sts["spec"]["template"]
+    assert template["metadata"]["annotations"]["a"] == "1"
+    assert template["metadata"]["labels"]["team"] == "ml"
+    assert {"name": "cache", "emptyDir": {}} in template["spec"]["volumes"]
+    assert {"name": "cache", "mountPath": "/cache"} in container(sts)["volumeMounts"]
+    assert env_of(sts)["X"] == "1"
+    assert template["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "zone"
+    for workload in (sts, job):
+        assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        assert container(workload)["image"] == "registry.example.com/ml/deepspeed-train:v9"
+        assert container(workload)["imagePullPolicy"] == "Always"
+
+
+def test_notes_say_how_to_follow_the_job():
+    proc = subprocess.run([HELM, "install", "job", str(CHART), "--dry-run=client", "--namespace", "ml",
+                           "--set", "image.repository=r/i", "--set", "worker.replicas=4", "--set",
+                           "worker.gpusPerWorker=8"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "kubectl -n ml logs -f job/job-deepspeed-training-launcher" in proc.stdout
+    assert "world size 32 = 4 workers x 8 GPUs" in proc.stdout
+    assert "checkpoints: /checkpoints" in proc.stdout
+
+
+# (values, text that helm 4 and helm 3 both print, naming the key)
+BAD_VALUES = {
+    "missing image": ({}, "repository"),
+    "empty image": ({"image": {"repository": ""}}, "repository"),
+    "zero replicas": ({"worker": {"replicas": 0}}, "replicas"),
+    "negative replicas": ({"worker": {"replicas": -2}}, "replicas"),
+    "replicas as string": ({"worker": {"replicas": "4"}}, "replicas"),
+    "zero slots": ({"worker": {"gpusPerWorker": 0}}, "gpusPerWorker"),
+    "float slots": ({"worker": {"gpusPerWorker": 1.5}}, "gpusPerWorker"),
+    "unknown top-level key": ({"wrker": {"replicas": 2}}, "wrker"),
+    "unknown worker key": ({"worker": {"replica": 2}}, "replica"),
+    "bad gpu resource name": ({"worker": {"gpuResourceName": "nvidia.com/GPU!"}}, "gpuResourceName"),
+    "bad shm size": ({"worker": {"shmSize": "lots"}}, "shmSize"),
+    "privileged ssh port": ({"ssh": {"port": 22}}, "port"),
+    "bad pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    "ds_config as string": ({"deepspeed": {"config": "{}"}}, "config"),
+    "env without value": ({"env": [{"name": "A"}]}, "env"),
+    "env with bad name": ({"env": [{"name": "A-B", "value": "x"}]}, "name"),
+    "relative checkpoint path": ({"checkpoints": {"mountPath": "ckpt"}}, "mountPath"),
+    "negative backoff": ({"launcher": {"backoffLimit": -1}}, "backoffLimit"),
+    "zero wait timeout": ({"launcher": {"waitTimeoutSeconds": 0}}, "waitTimeoutSeconds"),
+    "train args not a list": ({"train": {"args": "--steps 5"}}, "args"),
+    "bad module name": ({"train": {"module": "my train"}}, "module"),
+}
+
+
+@pytest.mark.parametrize("helm", HELMS.values(), ids=HELMS.keys())
+@pytest.mark.parametrize("case", BAD_VALUES, ids=BAD_VALUES.keys())
+def test_bad_values_are_rejected_naming_the_key(case, helm):
+    values, key = BAD_VALUES[case]
+    with pytest.raises(HelmError) as err:
+        render_chart(values, helm=helm, with_image=case not in ("missing image",))
+    assert key in err.value.stderr, err.value.stderr

@@ -1,0 +1,5 @@
+import sys
+
+from train.main import main
+
+sys.exit(main())

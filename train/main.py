@@ -1,0 +1,167 @@
+"""The training loop: set up DeepSpeed, resume, train, log on rank 0, checkpoint on all ranks, tear down."""
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from train import checkpoint, dsconfig
+from train.config import ConfigError, TrainConfig, parse_args
+from train.data import DataError, make_data
+from train.model import GPT, count_parameters
+
+logger = logging.getLogger("train")
+EXIT_SIGTERM = 143  # non-zero, so a Job retries and the next attempt resumes from the saved checkpoint
+
+
+def init_logger(rank: int) -> None:
+    """INFO on rank 0, warnings and errors elsewhere, one format everywhere."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+class StopFlag:
+    """Set by SIGTERM (pod eviction). Ranks agree on it each step, so all of them stop at the same step
+    and can write the checkpoint together."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def format_eta(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
+    ds_config = dsconfig.load(cfg.ds_config)
+    micro, accum, global_batch = dsconfig.validate(ds_config, world_size, cfg.ds_config)
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if ckpt_dir:
+        checkpoint.check_writable(ckpt_dir)
+    data = make_data(cfg.data, cfg.model, rank, world_size, micro)
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    n_params = count_parameters(model)
+    stop = StopFlag()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    device = engine.device
+    dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    logger.info(
+        f"world size {world_size} | ZeRO stage {engine.zero_optimization_stage()} | {dtype} | batch {micro} micro x "
+        f"{accum} accumulation x {world_size} ranks = {global_batch} | {n_params / 1e6:.2f}M parameters | "
+        f"{get_accelerator().device_name()} / {torch.distributed.get_backend()}")
+
+    start_step, position = 0, 0
+    if ckpt_dir:
+        found = [checkpoint.find_resume_tag(ckpt_dir) if rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)  # one decision, even if ranks see the dir differently
+        tag, skipped = found[0]
+        for name in skipped:
+            logger.warning(f"skipping incomplete checkpoint {ckpt_dir / name}")
+        if tag:
+            path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+            if path is None:
+                raise checkpoint.CheckpointError(f"checkpoint {ckpt_dir / tag}: DeepSpeed could not load it")
+            start_step, position = client_state["step"], client_state["data_position"]
+            logger.info(f"resumed from {ckpt_dir / tag} at step {start_step}")
+    if start_step >= cfg.steps:
+        logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
+
+    losses: list[tuple[int, float]] = []
+    tokens_per_step = global_batch * cfg.model.seq_len
+    last_saved = start_step
+    started = interval_start = time.perf_counter()
+    last_logged = start_step
+    status = 0
+    for step in range(start_step + 1, cfg.steps + 1):
+        step_loss = torch.zeros((), device=device)
+        for _ in range(accum):
+            inputs, targets = (t.to(device) for t in data.batch(position, micro))
+            position += micro
+            loss = engine(inputs, targets)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float() / accum
+        # One small all-reduce per step: the mean loss over ranks, and whether any rank got SIGTERM.
+        shared = torch.stack([step_loss, torch.tensor(float(stop.requested), device=device)])
+        dist.all_reduce(shared)
+        mean_loss, stopping = shared[0].item() / world_size, shared[1].item() > 0
+        losses.append((step, mean_loss))
+
+        if step % cfg.log_every == 0 or step == cfg.steps or stopping:
+            now = time.perf_counter()
+            interval_steps, last_logged = step - last_logged, step
+            per_step = (now - started) / (step - start_step)
+            logger.info(
+                f"step {step}/{cfg.steps} | loss {mean_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
+                f"{tokens_per_step * interval_steps / (now - interval_start):,.0f} tokens/s | "
+                f"{global_batch * interval_steps / (now - interval_start):.1f} samples/s | "
+                f"eta {format_eta(per_step * (cfg.steps - step))}")
+            interval_start = now
+        if ckpt_dir and (stopping or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            tag = checkpoint.save(engine, ckpt_dir, step, {"step": step, "data_position": position},
+                                  cfg.keep_checkpoints)
+            last_saved = step
+            logger.info(f"saved checkpoint {ckpt_dir / tag}")
+        if stopping:
+            logger.warning(f"SIGTERM: stopped at step {step}" + (f", checkpoint at step {last_saved}" if ckpt_dir else ""))
+            status = EXIT_SIGTERM
+            break
+
+    elapsed = time.perf_counter() - started
+    steps_run = len(losses)
+    if rank == 0 and ckpt_dir:
+        metrics = {
+            "steps": losses[-1][0] if losses else start_step,
+            "steps_run": steps_run,
+            "final_loss": losses[-1][1] if losses else None,
+            "tokens_per_s": tokens_per_step * steps_run / elapsed if steps_run else None,
+            "elapsed_s": elapsed,
+            "world_size": world_size,
+            "losses": losses,
+        }
+        checkpoint.write_atomic(ckpt_dir / "metrics.json", json.dumps(metrics, indent=1))
+    if steps_run:
+        logger.info(f"done: {steps_run} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    init_logger(rank)
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as err:
+        logger.error(str(err))
+        return 2
+    deepspeed.init_distributed(timeout=timedelta(seconds=cfg.dist_timeout_s))
+    status = 1
+    try:
+        status = train(cfg, dist.get_rank(), dist.get_world_size())
+    except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
+        logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's
+        status = 2
+    finally:
+        # Leaving without tearing the process group down can abort the process after training.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return status
