@@ -10,6 +10,17 @@ export PATH := $(ROOT)/.venv/bin:$(ROOT)/.tools/bin:$(PATH)
 # DeepSpeed's JIT-built ops, built once by `make setup`.
 export TORCH_EXTENSIONS_DIR := $(ROOT)/.build/torch_extensions
 PYTEST_ARGS ?=
+ENV ?=
+PROJECT ?=
+KUBE_CONTEXT ?=
+DRY_RUN ?=
+WAIT ?=
+DEPLOYCTL = python scripts/deployctl.py --env $(ENV) $(if $(PROJECT),--project $(PROJECT)) \
+  $(if $(KUBE_CONTEXT),--kube-context $(KUBE_CONTEXT)) $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run) \
+  $(if $(filter 1 true yes,$(WAIT)),--wait)
+ENVS := $(basename $(filter-out base.yaml,$(notdir $(wildcard values/*.yaml))))
+require-env = $(if $(ENV),,$(error ENV is required: `make $@ ENV=dev`; environments: $(ENVS)))
+require-project = $(if $(PROJECT),,$(error PROJECT is required for $@: `make $@ ENV=$(or $(ENV),prod) PROJECT=example`))
 
 ##@ General
 
@@ -22,6 +33,45 @@ help: ## Show this help.
 .PHONY: setup
 setup: ## Install everything: Debian packages, pinned helm, .venv (torch, deepspeed), checkov, prebuilt ops.
 	bash scripts/setup.sh
+
+##@ Deploy (ENV=dev|staging|prod, PROJECT=<values/projects/NAME>, KUBE_CONTEXT=, DRY_RUN=1, WAIT=1)
+
+.PHONY: render
+render: ## Layer values/, render ds_config and the Helm values into build/<project>/<env>/, validate.
+	$(require-env)
+	$(DEPLOYCTL) render
+
+.PHONY: plan
+plan: ## Render, validate and print the plan: release, workers x GPUs, batch, ZeRO, memory per GPU.
+	$(require-env)
+	$(DEPLOYCTL) plan
+
+.PHONY: template
+template: ## helm template of the rendered values (what deploy would apply).
+	$(require-env)
+	$(DEPLOYCTL) template
+
+.PHONY: deploy
+deploy: ## Render, validate, then helm upgrade --install (DRY_RUN=1: print the command and objects only).
+	$(require-env)
+	$(require-project)
+	$(DEPLOYCTL) deploy
+
+.PHONY: diff
+diff: ## helm diff upgrade against the cluster (needs the helm-diff plugin).
+	$(require-env)
+	$(require-project)
+	$(DEPLOYCTL) diff
+
+.PHONY: undeploy
+undeploy: ## helm uninstall the release (the SSH key Secret is kept for a later install).
+	$(require-env)
+	$(require-project)
+	$(DEPLOYCTL) undeploy
+
+.PHONY: demo
+demo: ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.
+	python scripts/deployctl.py --env dev $(if $(PROJECT),--project $(PROJECT)) demo
 
 ##@ Development
 

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _from_mapping(values: dict, source: str) -> TrainConfig:
+def from_mapping(values: dict, source: str) -> TrainConfig:
     values = dict(values)
     nested = {}
     for prefix, cls in _sections().items():
@@ -150,4 +150,4 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         section, _, name = dest.rpartition(".")
         target = values.setdefault(section, {}) if section else values
         target[name] = value
-    return _from_mapping(values, source)
+    return from_mapping(values, source)

@@ -1,0 +1,201 @@
+"""The train package with the real DeepSpeed engine on 2 CPU ranks (gloo)."""
+
+import os
+import re
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests.train_run import cpu_ds_config, launch, metrics, run_single, run_train, write_ds_config
+from train import checkpoint
+
+TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
+
+
+def losses(ckpt_dir) -> dict[int, float]:
+    return {step: loss for step, loss in metrics(ckpt_dir)["losses"]}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_trains_and_the_loss_falls(tmp_path, stage):
+    ds_config = write_ds_config(tmp_path, cpu_ds_config(stage=stage))
+    ckpt = tmp_path / "ckpt"
+    result = run_train(["--ds-config", str(ds_config), "--steps", "30", "--log-every", "10",
+                        "--checkpoint-dir", str(ckpt), *TINY])
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert f"world size 2 | ZeRO stage {stage} | fp32 | batch 4 micro x 1 accumulation x 2 ranks = 8" in result.stdout
+    log_lines = re.findall(r"\[rank 0\] INFO step (\d+)/30 \| loss ([\d.]+) \| lr ([\d.e+-]+) \| ([\d,]+) tokens/s "
+                           r"\| ([\d.]+) samples/s \| eta (\d+:\d\d:\d\d)", result.stdout)
+    assert [int(line[0]) for line in log_lines] == [10, 20, 30]
+    assert "[rank 1] INFO" not in result.stdout  # progress on rank 0 only
+    run = losses(ckpt)
+    assert sorted(run) == list(range(1, 31))
+    assert np.mean([run[s] for s in range(26, 31)]) < 0.8 * np.mean([run[s] for s in range(1, 6)])
+    summary = metrics(ckpt)
+    assert summary["steps"] == 30 and summary["world_size"] == 2 and summary["tokens_per_s"] > 0
+    assert checkpoint.is_complete(ckpt / "step_00000030")
+
+
+def test_gradient_accumulation_and_global_batch_come_from_ds_config(tmp_path):
+    ds_config = write_ds_config(tmp_path, cpu_ds_config(micro=2, accum=None, train_batch_size=16))
+    result = run_train(["--ds-config", str(ds_config), "--steps", "3", "--log-every", "1", *TINY])
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "batch 2 micro x 4 accumulation x 2 ranks = 16" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Reference: 16 steps in one run (ZeRO-2, grad accumulation 2, checkpoint every 4; 8, 12, 16 are kept)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    ds_config = write_ds_config(tmp, cpu_ds_config(stage=2, micro=2, accum=2))
+    ckpt = tmp / "ckpt"
+    result = run_train(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4",
+                        "--checkpoint-dir", str(ckpt), *TINY])
+    assert result.returncode == 0, result.stdout[-4000:]
+    return ds_config, ckpt
+
+
+def test_resume_continues_with_the_same_losses(tmp_path, uninterrupted):
+    ds_config, reference = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    common = ["--ds-config", str(ds_config), "--checkpoint-every", "4", "--checkpoint-dir", str(ckpt), *TINY]
+    first = run_train([*common, "--steps", "8"])
+    assert first.returncode == 0, first.stdout[-4000:]
+    second = run_train([*common, "--steps", "16"])
+    assert second.returncode == 0, second.stdout[-4000:]
+    assert f"resumed from {ckpt / 'step_00000008'} at step 8" in second.stdout
+    resumed, expected = losses(ckpt), losses(reference)
+    assert sorted(resumed) == list(range(9, 17))
+    for step in range(9, 17):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+
+
+def test_incomplete_checkpoints_are_skipped_on_resume(tmp_path, uninterrupted):
+    ds_config, reference = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference, ckpt)
+    # step 16: killed before the commit; step 12: a shard cut short (e.g. a full disk). Both newer than 8.
+    (ckpt / "step_00000016" / checkpoint.COMMIT_FILE).unlink()
+    shard = next((ckpt / "step_00000012").glob("*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    result = run_train(["--ds-config", str(ds_config), "--checkpoint-dir", str(ckpt), "--steps", "10", *TINY])
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert f"skipping incomplete checkpoint {ckpt / 'step_00000016'}" in result.stdout
+    assert f"skipping incomplete checkpoint {ckpt / 'step_00000012'}" in result.stdout
+    assert f"resumed from {ckpt / 'step_00000008'} at step 8" in result.stdout
+    assert (ckpt / "latest").read_text() == "step_00000010"
+    # Pruning keeps the newest complete ones and drops the broken tags.
+    assert sorted(p.name for p in checkpoint.tags_newest_first(ckpt)) == ["step_00000008", "step_00000010"]
+
+
+def test_a_dir_of_only_incomplete_checkpoints_is_an_error_not_a_fresh_start(tmp_path, uninterrupted):
+    ds_config, reference = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference, ckpt)
+    (ckpt / "latest").unlink()  # DeepSpeed alone would silently start from scratch here
+    for tag in checkpoint.tags_newest_first(ckpt):
+        (tag / checkpoint.COMMIT_FILE).unlink()
+    result = run_single(["--ds-config", str(ds_config), "--checkpoint-dir", str(ckpt), "--steps", "20", *TINY])
+    assert result.returncode == 2
+    assert f"checkpoint dir {ckpt}: none of its 3 checkpoints is complete" in result.stdout
+    assert "refusing to start from scratch" in result.stdout
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path):
+    ds_config = write_ds_config(tmp_path, cpu_ds_config())
+    ckpt = tmp_path / "ckpt"
+    process = launch(["--ds-config", str(ds_config), "--steps", "100000", "--log-every", "1",
+                      "--checkpoint-dir", str(ckpt), *TINY])
+    deadline = time.monotonic() + 180
+    seen = ""
+    while "step 3/" not in seen and time.monotonic() < deadline:
+        seen += process.stdout.readline()
+    assert "step 3/" in seen, seen[-3000:]
+    os.killpg(process.pid, signal.SIGTERM)  # as the kubelet signals every process of the container
+    out, _ = process.communicate(timeout=120)
+    out = seen + out
+    assert process.returncode != 0
+    stopped = int(re.search(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", out).group(1))
+    assert checkpoint.is_complete(ckpt / checkpoint.tag_for(stopped))
+    assert (ckpt / "latest").read_text() == checkpoint.tag_for(stopped)
+
+
+def test_token_file_training(tmp_path):
+    text = ("The quick brown fox jumps over the lazy dog. " * 400)
+    (tmp_path / "corpus.txt").write_text(text)
+    from train.tokenize import main as tokenize
+    assert tokenize([str(tmp_path / "corpus.txt"), str(tmp_path / "tokens.bin")]) == 0
+    ds_config = write_ds_config(tmp_path, cpu_ds_config())
+    ckpt = tmp_path / "ckpt"
+    result = run_train(["--ds-config", str(ds_config), "--steps", "20", "--data.path", str(tmp_path / "tokens.bin"),
+                        "--checkpoint-dir", str(ckpt), *TINY])
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = losses(ckpt)
+    assert run[20] < run[1] * 0.7
+
+
+# ---- errors that must stop a run before training, naming the file/key and what was expected
+
+ERRORS = {
+    "unknown top-level ds_config key": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config(trian_batch_size=8)))],
+        "unknown top-level key 'trian_batch_size' (did you mean 'train_batch_size'?)"),
+    "misspelt optimizer section": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, {**cpu_ds_config(), "optimzer": {}}))],
+        "unknown top-level key 'optimzer' (did you mean 'optimizer'?)"),
+    "missing ds_config": (lambda tmp: ["--ds-config", str(tmp / "nope.json")], "nope.json: cannot read"),
+    "ds_config not JSON": (lambda tmp: ["--ds-config", str(write_text(tmp / "bad.json", "{'a': 1"))],
+                           "bad.json: not valid JSON"),
+    "global batch mismatch": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config(micro=4, accum=2, train_batch_size=12)))],
+        "train_batch_size 12 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size 1"),
+    "unknown key inside a section": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config(zero_optimization={"stage": 2,
+                                                                                              "stgae": 3})))],
+        "DeepSpeed rejects it: ValidationError: DeepSpeedZeroConfig.stgae: Extra inputs are not permitted"),
+    "data file too small": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config())), "--data.path",
+                     str(write_bytes(tmp / "tiny.bin", np.arange(50, dtype="<u2").tobytes()))],
+        "tiny.bin: 50 tokens is too small for one batch"),
+    "checkpoint dir not writable": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config())), "--checkpoint-dir",
+                     str(write_text(tmp / "a-file", "x") / "ckpt")],
+        "a-file/ckpt: not writable"),
+    "unknown train config key": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config())), "--config",
+                     str(write_text(tmp / "train.yaml", "steps: 5\nmodel:\n  n_layers: 2\n"))],
+        "train.yaml: unknown key model.'n_layers'"),
+    "bad model shape": (
+        lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config())), "--model.d-model", "65"],
+        "model.d_model must be a multiple of model.n_head (4), got 65"),
+}
+
+
+def write_text(path, text):
+    path.write_text(text)
+    return path
+
+
+def write_bytes(path, data):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("case", ERRORS, ids=ERRORS.keys())
+def test_bad_input_stops_before_training_with_a_clear_message(tmp_path, case):
+    make_args, message = ERRORS[case]
+    result = run_single([*TINY, *make_args(tmp_path), "--steps", "5"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert message in output, output[-3000:]
+    assert "step 1/" not in output
+
+
+def test_help_documents_the_contract():
+    result = run_single(["--help"])
+    for flag in ("--ds-config", "--config", "--steps", "--checkpoint-dir", "--log-every", "--checkpoint-every",
+                 "--keep-checkpoints", "--dist-timeout-s", "--model.n-layer", "--data.path"):
+        assert flag in result.stdout

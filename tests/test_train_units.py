@@ -1,0 +1,104 @@
+"""In-process checks of the train package's pieces: config, ds_config checks, data sharding, tokenizer."""
+
+import numpy as np
+import pytest
+
+from train import dsconfig
+from train.config import ConfigError, DataConfig, ModelConfig, parse_args
+from train.data import DataError, SyntheticData, TokenFileData, shard_bounds
+from train.tokenize import decode, encode
+
+
+def test_flags_override_the_config_file(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("steps: 50\nlog_every: 5\nmodel:\n  n_layer: 6\n  d_model: 96\n")
+    cfg = parse_args(["--ds-config", "ds.json", "--config", str(path), "--steps", "7", "--model.n-head", "8"])
+    assert (cfg.steps, cfg.log_every, cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model) == (7, 5, 6, 8, 96)
+    assert cfg.ds_config == "ds.json" and cfg.model.seq_len == ModelConfig().seq_len
+
+
+def test_config_file_types_are_checked(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text('{"steps": "ten"}')
+    with pytest.raises(ConfigError, match=r"train.json: steps must be int, got 'ten'"):
+        parse_args(["--ds-config", "ds.json", "--config", str(path)])
+
+
+def test_ds_config_is_required():
+    with pytest.raises(ConfigError, match=r"ds_config must be a path \(--ds-config\)"):
+        parse_args([])
+
+
+@pytest.mark.parametrize("world, given, expected", [
+    (2, {"train_micro_batch_size_per_gpu": 4}, (4, 1, 8)),
+    (2, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, (4, 3, 24)),
+    (4, {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, (4, 4, 64)),
+    (4, {"train_batch_size": 64, "gradient_accumulation_steps": 2}, (8, 2, 64)),
+    (8, {"train_batch_size": 64}, (8, 1, 64)),
+    (2, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, (2, 4, 16)),
+])
+def test_batch_sizes_are_completed_as_deepspeed_does(world, given, expected):
+    assert dsconfig.batch_sizes(given, world, "x.json") == expected
+
+
+@pytest.mark.parametrize("given, message", [
+    ({}, "set train_micro_batch_size_per_gpu or train_batch_size"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, "not divisible"),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}, "!="),
+    ({"train_micro_batch_size_per_gpu": 0}, "must be an integer >= 1"),
+    ({"train_micro_batch_size_per_gpu": "4"}, "must be an integer >= 1"),
+])
+def test_batch_arithmetic_errors_name_the_file(given, message):
+    with pytest.raises(dsconfig.DsConfigError, match="ds_config x.json: .*" + message):
+        dsconfig.batch_sizes(given, 2, "x.json")
+
+
+def test_load_rejects_a_non_object(tmp_path):
+    (tmp_path / "ds.json").write_text("[1, 2]")
+    with pytest.raises(dsconfig.DsConfigError, match="expected a JSON object"):
+        dsconfig.load(tmp_path / "ds.json")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_token_file_shards_do_not_overlap_and_cover_the_file(tmp_path, world):
+    length = 10_007
+    (tmp_path / "t.bin").write_bytes((np.arange(length) % 256).astype("<u2").tobytes())
+    bounds = [shard_bounds(length, rank, world) for rank in range(world)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    model = ModelConfig(seq_len=16)
+    for rank, (start, end) in enumerate(bounds):
+        data = TokenFileData(DataConfig(path=str(tmp_path / "t.bin")), model, rank, world, micro_batch=2)
+        offsets = data.window_offsets(epoch=0)
+        assert len(set(offsets)) == len(offsets) == data.windows
+        assert offsets.min() >= start and offsets.max() + model.seq_len + 1 <= end  # windows stay in the shard
+        inputs, targets = data.batch(position=0, size=2)
+        assert inputs.shape == (2, 16) and np.array_equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_token_file_position_replays_the_same_samples(tmp_path):
+    (tmp_path / "t.bin").write_bytes((np.arange(5000) % 256).astype("<u2").tobytes())
+    cfg, model = DataConfig(path=str(tmp_path / "t.bin")), ModelConfig(seq_len=8)
+    first, again = (TokenFileData(cfg, model, 0, 2, 4) for _ in range(2))
+    sequence = [first.batch(p, 4)[0] for p in range(0, 400, 4)]  # crosses epoch boundaries
+    assert all(np.array_equal(again.batch(p, 4)[0], sequence[i]) for i, p in enumerate(range(0, 400, 4)))
+
+
+def test_token_ids_must_fit_the_vocabulary(tmp_path):
+    (tmp_path / "t.bin").write_bytes(np.full(1000, 300, dtype="<u2").tobytes())
+    with pytest.raises(DataError, match="token id 300 >= model.vocab_size 256"):
+        TokenFileData(DataConfig(path=str(tmp_path / "t.bin")), ModelConfig(seq_len=8), 0, 1, 2)
+
+
+def test_synthetic_data_differs_per_rank_and_replays_per_position():
+    cfg, model = DataConfig(), ModelConfig(seq_len=16)
+    rank0, rank1 = SyntheticData(cfg, model, 0, 2), SyntheticData(cfg, model, 1, 2)
+    assert not np.array_equal(rank0.batch(0, 4)[0], rank1.batch(0, 4)[0])
+    assert np.array_equal(rank0.batch(8, 4)[0], SyntheticData(cfg, model, 0, 2).batch(8, 4)[0])
+
+
+def test_tokenizer_round_trips_text():
+    text = "DeepSpeed — ZeRO 3, ünïcode ✓"
+    tokens = encode(text)
+    assert tokens.dtype == np.dtype("<u2") and tokens.max() < 256
+    assert decode(tokens) == text
