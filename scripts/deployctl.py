@@ -109,9 +109,15 @@ class Rendered:
 
 def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what: str) -> None:
     errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(instance), key=lambda e: list(e.absolute_path))
-    if errors:
-        lines = [f"{source_of(origin, (*prefix, *e.absolute_path))}: {dotted((*prefix, *e.absolute_path))}: "
-                 f"{e.message}" for e in errors[:10]]
+    lines = []
+    for e in errors[:10]:
+        path = (*prefix, *e.absolute_path)
+        blame = path
+        if e.validator == "additionalProperties":  # blame the file that added the unknown key
+            extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
+            blame = (*path, extra[0]) if extra else path
+        lines.append(f"{source_of(origin, blame)}: {dotted(path)}: {e.message}")
+    if lines:
         raise DeployError(f"{what}:\n  " + "\n  ".join(lines))
 
 
@@ -125,6 +131,10 @@ def build(env: str, project: str | None) -> Rendered:
                  "scripts/settings.schema.json")
 
     ds, chart = settings["deepspeed"], settings["chart"]
+    effective = yaml.safe_load((CHART / "values.yaml").read_text())  # Helm checks its defaults merged with ours
+    merge(effective, chart, {}, "")
+    check_schema(effective, json.loads((CHART / "values.schema.json").read_text()), origin, ("chart",),
+                 "chart values do not match charts/deepspeed-training/values.schema.json")
     workers, gpus = chart["worker"]["replicas"], chart["worker"]["gpusPerWorker"]
     world_size = workers * gpus
     micro = ds["microBatch"]
@@ -158,10 +168,6 @@ def build(env: str, project: str | None) -> Rendered:
 
     chart = copy.deepcopy(chart)
     chart.setdefault("deepspeed", {})["config"] = ds_config
-    effective = yaml.safe_load((CHART / "values.yaml").read_text())  # Helm checks its defaults merged with ours
-    merge(effective, chart, {}, "")
-    check_schema(effective, json.loads((CHART / "values.schema.json").read_text()), origin, ("chart",),
-                 "chart values do not match charts/deepspeed-training/values.schema.json")
     try:  # the train package's own config check, as the pods will run it
         from_mapping({**train_config, "ds_config": "ds_config.json"}, f"{source_of(origin, ('chart', 'train'))}: "
                      "chart.train.config")

