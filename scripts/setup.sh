@@ -13,6 +13,9 @@ missing=()
 for cmd in "${!pkg_for[@]}"; do
   command -v "$cmd" > /dev/null || [[ -x "/usr/sbin/$cmd" ]] || missing+=("${pkg_for[$cmd]}")
 done
+# Debian's Python with venv and headers (DeepSpeed's JIT ops compile against them).
+[[ -f /usr/include/python3.11/Python.h ]] || missing+=(python3-dev)
+/usr/bin/python3 -c 'import ensurepip' 2> /dev/null || missing+=(python3-venv)
 if ((${#missing[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
     log "missing Debian packages ${missing[*]}: install them as root"
@@ -27,9 +30,16 @@ fi
 bash scripts/install-tools.sh
 
 # 3. The Python environment: torch first, then deepspeed without build isolation, then the rest.
-stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+#    Debian's python3 (world-readable under /usr), not one under /root (pyenv): the pods' non-root user runs
+#    this venv in the e2e tests, and cannot reach /root.
+python=/usr/bin/python3
+[[ -x "$python" ]] || python=python3
+stamp=".venv/.installed-$(cat pyproject.toml <(readlink -f "$python") | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
-  [[ -x .venv/bin/python ]] || python3 -m venv .venv
+  if [[ -d .venv ]] && ! grep -q "^home = $(dirname "$(readlink -f "$python")")\$" .venv/pyvenv.cfg 2> /dev/null; then
+    rm -rf .venv  # made from another Python
+  fi
+  [[ -x .venv/bin/python ]] || "$python" -m venv .venv
   pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
   "${pip[@]}" torch==2.13.0
   DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation deepspeed==0.19.8
@@ -41,7 +51,7 @@ fi
 
 # 4. checkov in its own environment: its pinned dependencies do not resolve beside ours.
 if [[ ! -x .tools/checkov/bin/checkov ]]; then
-  python3 -m venv .tools/checkov
+  "$python" -m venv .tools/checkov
   .tools/checkov/bin/python -m pip install -q --disable-pip-version-check checkov==3.3.30
   log "checkov ready in .tools/checkov"
 fi

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import deepspeed.comm as dist
@@ -53,9 +54,9 @@ def _files(tag_dir: Path) -> dict[str, int]:
 def check_writable(ckpt_dir: Path) -> None:
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        probe = ckpt_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        # A unique name: ranks on other pods share the dir and often the same pid.
+        with tempfile.NamedTemporaryFile(dir=ckpt_dir, prefix=".write-test-"):
+            pass
     except OSError as err:
         raise CheckpointError(f"checkpoint dir {ckpt_dir}: not writable ({err.strerror}); "
                               "mount a writable volume or pass another --checkpoint-dir") from None

@@ -3,7 +3,7 @@
 Each pod the chart would create (every worker ordinal and the launcher) becomes a "host":
 - its own network namespace, with a veth into a private bridge that lives in a namespace of its own (nothing
   is added to the machine's own network), and addresses in 10.231.<n>.0/24, used only inside them;
-- its own UTS namespace with the pod's hostname, and a hosts file (/etc/netns/<ns>/hosts) that resolves
+- its own UTS and PID namespaces (the pod's hostname; `pkill` sees only the pod's processes), a hosts file (/etc/netns/<ns>/hosts) that resolves
   `<pod>.<service>` and `<pod>.<service>.<namespace>.svc.<clusterDomain>` for every worker as cluster DNS does;
 - its own mount namespace in which the pod's ConfigMap and Secret volumes appear at their mountPaths (files
   written from the rendered objects, honouring items and defaultMode), emptyDirs as fresh directories, and
@@ -18,6 +18,7 @@ mount point, file and process it made, also when a test fails.
 """
 
 import base64
+import functools
 import os
 import pwd
 import shlex
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = ROOT / ".venv" / "bin"
 
 
+@functools.cache
 def namespaces_available() -> str | None:
     """None when the harness can run here, else the reason it cannot."""
     if os.geteuid() != 0:
@@ -44,6 +46,10 @@ def namespaces_available() -> str | None:
     probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"namespaces are not permitted here: {probe.stderr.strip()}"
+    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(VENV_BIN / "python"),
+                            "-c", "import deepspeed"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"the venv's python cannot run as an unprivileged user (pods run non-root): {probe.stderr[-300:]}"
     return None
 
 
@@ -62,6 +68,7 @@ class Pod:
     process: subprocess.Popen | None = None
     log_path: Path | None = None
     mounts: dict[str, Path] = field(default_factory=dict)
+    attempt: int = 0
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
@@ -186,7 +193,7 @@ class Cluster:
         mounts = {}
         for mount in pod.container.get("volumeMounts", []):
             volume = by_name[mount["name"]]
-            target = self.tmp / pod.name / mount["name"]
+            target = self.tmp / f"{pod.name}.{pod.attempt}" / mount["name"]
             if "configMap" in volume or "secret" in volume:
                 source = volume.get("configMap") or volume["secret"]
                 kind, name = ("ConfigMap", source["name"]) if "configMap" in volume else ("Secret", source["secretName"])
@@ -231,8 +238,13 @@ class Cluster:
             self.created_dirs.append(d)
 
     # ---- processes
-    def start(self, pod: Pod, argv: list[str] | None = None, log_name: str | None = None) -> subprocess.Popen:
-        """Starts the pod's container command (or `argv`, like kubectl exec) as the pod's user."""
+    def start(self, pod: Pod, argv: list[str] | None = None, log_name: str | None = None,
+              new_pod: bool = False) -> subprocess.Popen:
+        """Starts the pod's container command (or `argv`, like kubectl exec) as the pod's user. new_pod=True
+        gives it fresh volumes, as a Job's retry pod gets (same host and address here)."""
+        if new_pod:
+            pod.attempt += 1
+            pod.mounts = {}
         pod.mounts = pod.mounts or self._materialize(pod)
         for mount_path, source in pod.mounts.items():
             self._mountpoint(mount_path)
@@ -257,8 +269,9 @@ class Cluster:
         pod.log_path = self.tmp / f"{log_name or pod.name}.log"
         log = open(pod.log_path, "ab")
         process = subprocess.Popen(
-            ["ip", "netns", "exec", pod.netns, "unshare", "--uts", "--mount", "--propagation", "private",
-             "bash", "-c", inner], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            ["ip", "netns", "exec", pod.netns, "unshare", "--uts", "--mount", "--propagation", "private", "--pid",
+             "--fork", "--mount-proc", "bash", "-c", inner], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
         if argv == pod.container.get("command", []) + pod.container.get("args", []):
             pod.process = process
         return process
@@ -272,6 +285,11 @@ class Cluster:
             os.killpg(process.pid, signal.SIGKILL)
             raise
         return subprocess.CompletedProcess(argv, code, (self.tmp / f"{name}.log").read_text(errors="replace"))
+
+    def signal_main(self, process: subprocess.Popen, sig: int) -> None:
+        """`sig` to the container's PID 1 (what the kubelet signals): the child of our `unshare --fork`."""
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        os.kill(int(children[0]), sig)
 
     def pids(self, pod: Pod) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", pod.netns], capture_output=True, text=True).stdout

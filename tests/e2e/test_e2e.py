@@ -1,0 +1,193 @@
+"""The rendered chart trains across hosts: launcher + workers as network-namespace hosts (see harness.py)."""
+
+import base64
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import Cluster, ensure_user, namespaces_available
+from tests.helm_template import HELM, ROOT, render_chart
+from tests.train_run import cpu_ds_config
+from train import checkpoint
+
+REASON = namespaces_available() or (None if HELM else "no helm binary; run `make setup`")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+UID = 10001
+SECRET_VALUE = "s3cr3t-$(id)-`uname`"  # only the valueFrom channel may carry this
+
+
+@pytest.fixture(scope="module")
+def shared_dir():
+    """The prebuilt DeepSpeed ops (make setup), opened to the pods' unprivileged user: loading an op takes a
+    lock file in its build dir, and a copy elsewhere would be rebuilt (the path is part of its hash)."""
+    ensure_user(UID, "/home/deepspeed")
+    extensions = ROOT / ".build" / "torch_extensions"
+    if not any(extensions.glob("*/deepspeed_shm_comm*.so")):
+        pytest.fail(f"{extensions} has no prebuilt deepspeed_shm_comm op: run `make setup`")
+    subprocess.run(["chmod", "-R", "a+rwX", str(extensions)], check=True)
+    for parent in (extensions, extensions.parent):
+        parent.chmod(parent.stat().st_mode | 0o755)
+    return extensions
+
+
+def e2e_values(shared_dir: Path, workers: int = 2, steps: int = 40, **train) -> dict:
+    return {
+        "worker": {"replicas": workers, "gpusPerWorker": 1, "gpuResourceName": "", "terminationGracePeriodSeconds": 20},
+        "launcher": {"scaleDownWorkers": False, "waitTimeoutSeconds": 60},
+        "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
+        "train": {"module": "tests.e2e.rank_probe",
+                  "config": {"steps": steps, "log_every": 10, "checkpoint_every": 10, "dist_timeout_s": 20,
+                             "model": {"n_layer": 2, "d_model": 64, "seq_len": 32}, **train}},
+        "env": [{"name": "OMP_NUM_THREADS", "value": "1"},
+                {"name": "E2E_MARKER", "value": "from-the-chart"},
+                {"name": "PYTHONPATH", "value": str(ROOT)},
+                {"name": "TORCH_EXTENSIONS_DIR", "value": str(shared_dir)},
+                {"name": "E2E_SECRET", "valueFrom": {"secretKeyRef": {"name": "e2e-secret", "key": "value"}}}],
+        "checkpoints": {"existingClaim": "checkpoints"},
+    }
+
+
+def render(values: dict) -> list[dict]:
+    docs = render_chart(values)
+    # What the cluster already holds: the Secret the valueFrom entry names.
+    docs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "e2e-secret", "namespace": "default"},
+                 "data": {"value": base64.b64encode(SECRET_VALUE.encode()).decode()}})
+    return docs
+
+
+def start_workers(cluster: Cluster, count: int | None = None):
+    workers = cluster.pods_of("worker")[:count]
+    for worker in workers:
+        cluster.start(worker)
+    for worker in workers:
+        cluster.wait_for_port(worker, 2222)
+    return workers
+
+
+def wait(process: subprocess.Popen, timeout: float) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+
+
+def rank_pids(cluster: Cluster, pod) -> list[int]:
+    pids = []
+    for pid in cluster.pids(pod):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "--local_rank=" in cmdline or "deepspeed.launcher.launch" in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def wait_for(predicate, timeout: float, what: str, log=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{log()[-4000:]}")
+
+
+def step_losses(log: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([\d.]+)", log)}
+
+
+def test_the_rendered_chart_trains_across_hosts(shared_dir):
+    docs = render(e2e_values(shared_dir))
+    with Cluster(docs) as cluster:
+        start_workers(cluster)
+        launcher = cluster.pods_of("launcher")[0]
+        code = wait(cluster.start(launcher), timeout=240)
+        log = launcher.log()
+        assert code == 0, log[-5000:]
+        assert "wait-for-workers: all 2 workers are reachable" in log
+        assert "world size 2 | ZeRO stage 2" in log
+        losses = step_losses(log)
+        assert sorted(losses) == [10, 20, 30, 40]
+        assert losses[40] < losses[10]
+        ckpt = cluster.claim_dir("checkpoints")
+        assert (ckpt / "latest").read_text() == "step_00000040"
+        assert checkpoint.is_complete(ckpt / "step_00000040")
+        # The chart's env reached every rank: plain values through .deepspeed_env, the secret through sshd.
+        expected_secret = __import__("hashlib").sha256(SECRET_VALUE.encode()).hexdigest()[:12]
+        probes = re.findall(r"rank-probe rank=(\d) host=(\S+) E2E_MARKER=(\S+) E2E_SECRET_sha256=(\S+)", log)
+        assert sorted(p[0] for p in probes) == ["0", "1"]
+        assert {p[1] for p in probes} == {w.hostname for w in cluster.pods_of("worker")}
+        assert all(p[2] == "from-the-chart" and p[3] == expected_secret for p in probes), probes
+        assert SECRET_VALUE not in log  # never in the launcher's log
+        # Ranks ran as the pod's non-root user.
+        assert all(p.uid == UID for p in cluster.pods)
+
+
+def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared_dir):
+    values = e2e_values(shared_dir)
+    values["launcher"]["waitTimeoutSeconds"] = 5
+    with Cluster(render(values)) as cluster:
+        start_workers(cluster, 1)
+        launcher = cluster.pods_of("launcher")[0]
+        started = time.monotonic()
+        code = wait(cluster.start(launcher), timeout=60)
+        elapsed = time.monotonic() - started
+        assert code == 1
+        missing = cluster.pods_of("worker")[1].fqdn
+        assert f"wait-for-workers:   {missing}: SSH failed" in launcher.log()
+        assert elapsed < 5 + 15
+
+
+def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shared_dir):
+    docs = render(e2e_values(shared_dir, steps=400, log_every=10, checkpoint_every=20))
+    with Cluster(docs) as cluster:
+        workers = start_workers(cluster)
+        launcher = cluster.pods_of("launcher")[0]
+        first = cluster.start(launcher)
+        ckpt = cluster.claim_dir("checkpoints")
+        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
+        victim = [p for p in rank_pids(cluster, workers[1]) if "--local_rank=" in Path(f"/proc/{p}/cmdline")
+                  .read_bytes().decode(errors="replace")]
+        assert victim, "no rank process on worker 1"
+        killed_at = time.monotonic()
+        os.kill(victim[0], signal.SIGKILL)
+        code = wait(first, timeout=120)
+        failed_after = time.monotonic() - killed_at
+        assert code != 0, launcher.log()[-3000:]
+        assert failed_after < 20 + 30, f"job took {failed_after:.0f}s to fail"  # dist_timeout_s + teardown
+        for worker in workers:
+            wait_for(lambda w=worker: not rank_pids(cluster, w), 30, f"no ranks left on {worker.name}")
+        done = max(step_losses(launcher.log()))
+        # The Job's backoff: a new launcher pod, same workers and PVC.
+        retry = cluster.start(launcher, log_name="launcher-retry", new_pod=True)
+        code = wait(retry, timeout=300)
+        log = launcher.log()
+        retry_log = log[log.rindex("wait-for-workers: waiting"):]
+        assert code == 0, retry_log[-4000:]
+        resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry_log).group(1))
+        assert resumed >= 40 and resumed % 20 == 0 and resumed <= done + 20
+        assert max(step_losses(retry_log)) == 400
+        assert checkpoint.is_complete(ckpt / "step_00000400")
+        assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
+
+
+def test_sigterm_to_the_launcher_stops_the_remote_ranks(shared_dir):
+    docs = render(e2e_values(shared_dir, steps=100000, log_every=10, checkpoint_every=0))
+    with Cluster(docs) as cluster:
+        workers = start_workers(cluster)
+        launcher = cluster.pods_of("launcher")[0]
+        process = cluster.start(launcher)
+        wait_for(lambda: "step 20/" in launcher.log(), 180, "training to start", launcher.log)
+        cluster.signal_main(process, signal.SIGTERM)  # the kubelet's signal to the container's PID 1 (eviction)
+        code = wait(process, timeout=120)
+        assert code != 0
+        assert "launcher: SIGTERM: stopping the DeepSpeed run" in launcher.log()
+        for worker in workers:
+            wait_for(lambda w=worker: not rank_pids(cluster, w), 45, f"no ranks left on {worker.name}",
+                     launcher.log)
