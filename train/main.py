@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -132,6 +133,8 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
 
     elapsed = time.perf_counter() - started
     steps_run = len(losses)
+    peak_rss = [0.0] * world_size  # MiB per rank, for metrics.json
+    dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if rank == 0 and ckpt_dir:
         metrics = {
             "steps": losses[-1][0] if losses else start_step,
@@ -140,6 +143,7 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
             "tokens_per_s": tokens_per_step * steps_run / elapsed if steps_run else None,
             "elapsed_s": elapsed,
             "world_size": world_size,
+            "peak_rss_mib": peak_rss,
             "losses": losses,
         }
         checkpoint.write_atomic(ckpt_dir / "metrics.json", json.dumps(metrics, indent=1))

@@ -53,6 +53,18 @@ def namespaces_available() -> str | None:
     return None
 
 
+def prebuilt_ops_for_pods(uid: int) -> Path:
+    """The DeepSpeed ops `make setup` built, opened to the pods' unprivileged user (loading an op takes a lock
+    file in its build dir; a copy elsewhere would be rebuilt, since the path is part of its hash)."""
+    extensions = ROOT / ".build" / "torch_extensions"
+    if not any(extensions.glob("*/deepspeed_shm_comm*.so")):
+        raise RuntimeError(f"{extensions} has no prebuilt deepspeed_shm_comm op: run `make setup`")
+    subprocess.run(["chmod", "-R", "a+rwX", str(extensions)], check=True)
+    for parent in (extensions, extensions.parent):
+        parent.chmod(parent.stat().st_mode | 0o755)
+    return extensions
+
+
 @dataclass
 class Pod:
     name: str

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import Cluster, ensure_user, namespaces_available
+from tests.e2e.harness import Cluster, ensure_user, namespaces_available, prebuilt_ops_for_pods
 from tests.helm_template import HELM, ROOT, render_chart
 from tests.train_run import cpu_ds_config
 from train import checkpoint
@@ -23,16 +23,8 @@ SECRET_VALUE = "s3cr3t-$(id)-`uname`"  # only the valueFrom channel may carry th
 
 @pytest.fixture(scope="module")
 def shared_dir():
-    """The prebuilt DeepSpeed ops (make setup), opened to the pods' unprivileged user: loading an op takes a
-    lock file in its build dir, and a copy elsewhere would be rebuilt (the path is part of its hash)."""
     ensure_user(UID, "/home/deepspeed")
-    extensions = ROOT / ".build" / "torch_extensions"
-    if not any(extensions.glob("*/deepspeed_shm_comm*.so")):
-        pytest.fail(f"{extensions} has no prebuilt deepspeed_shm_comm op: run `make setup`")
-    subprocess.run(["chmod", "-R", "a+rwX", str(extensions)], check=True)
-    for parent in (extensions, extensions.parent):
-        parent.chmod(parent.stat().st_mode | 0o755)
-    return extensions
+    return prebuilt_ops_for_pods(UID)
 
 
 def e2e_values(shared_dir: Path, workers: int = 2, steps: int = 40, **train) -> dict:
