@@ -1,0 +1,78 @@
+"""The chart README's values table, generated from the `# --` comments in values.yaml (helm-docs style).
+
+    python scripts/values_table.py           # rewrite the table in charts/deepspeed-training/README.md
+    python scripts/values_table.py --check   # exit 1 if the README's table is stale
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+CHART = Path(__file__).resolve().parent.parent / "charts" / "deepspeed-training"
+BEGIN, END = "<!-- values-table:begin -->", "<!-- values-table:end -->"
+KEY = re.compile(r"^(\s*)([A-Za-z0-9_]+):")
+
+
+def documented_keys(values_yaml: str) -> dict[str, str]:
+    """{'worker.replicas': 'Number of worker pods ...'} for every key preceded by a `# --` comment."""
+    docs, stack, pending = {}, [], None
+    for line in values_yaml.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# --"):
+            pending = [stripped[4:].strip()]
+        elif stripped.startswith("#") and pending is not None:
+            pending.append(stripped[1:].strip())
+        elif match := KEY.match(line):
+            indent = len(match.group(1))
+            stack = [(i, k) for i, k in stack if i < indent] + [(indent, match.group(2))]
+            if pending is not None:
+                docs[".".join(k for _, k in stack)] = " ".join(pending)
+            pending = None
+        elif stripped:
+            pending = None
+    return docs
+
+
+def lookup(values: dict, path: str):
+    node = values
+    for key in path.split("."):
+        node = node[key]
+    return node
+
+
+def table(values_yaml: str) -> str:
+    values = yaml.safe_load(values_yaml)
+    rows = ["| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
+    for path, text in documented_keys(values_yaml).items():
+        default = lookup(values, path)
+        kind = {dict: "object", list: "list", bool: "bool", int: "int", float: "float", str: "string"}.get(
+            type(default), "null")
+        shown = json.dumps(default, separators=(", ", ": "))
+        description = text.replace("|", "\\|")
+        rows.append(f"| `{path}` | {kind} | `{shown}` | {description} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    readme = CHART / "README.md"
+    text = readme.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    fresh = text[:start] + "\n" + table((CHART / "values.yaml").read_text()) + "\n" + text[end:]
+    if args.check:
+        if fresh != text:
+            print(f"{readme}: the values table is stale; run `python scripts/values_table.py`", file=sys.stderr)
+            return 1
+        return 0
+    readme.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
