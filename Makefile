@@ -76,11 +76,28 @@ demo: ## No cluster needed: render ENV=dev and run its ds_config and train args 
 ##@ Development
 
 .PHONY: test
-test: ## Run the whole test suite (chart, train, glue, multi-host e2e).
+test: lint ## Lint, then run the whole test suite (chart, train, glue, multi-host e2e).
 	pytest $(PYTEST_ARGS)
 
+.PHONY: image
+image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cuda).
+	bash scripts/image.sh build
+
+.PHONY: image-push
+image-push: ## Tag and push the image: make image-push REGISTRY=registry.example.com/ml
+	$(if $(REGISTRY),,$(error REGISTRY is required: `make image-push REGISTRY=registry.example.com/ml`))
+	REGISTRY=$(REGISTRY) bash scripts/image.sh push
+
+.PHONY: test-image
+test-image: ## Build the CPU image with podman (debootstrapped base) and run a launcher + 2 workers in it.
+	bash scripts/setup-podman.sh
+	bash scripts/image.sh base
+	VARIANT=cpu bash scripts/image.sh build
+	DS_TEST_IMAGE=deepspeed-train:0.1.0-cpu CONTAINERS_CONF=$(ROOT)/.build/containers.conf pytest tests/image -v
+
 .PHONY: lint
-lint: ## helm lint --strict with every ci values file, shellcheck, ruff.
+lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done
-	shellcheck -x $(CHART)/files/*.sh scripts/*.sh
+	shellcheck -x -P SCRIPTDIR $(CHART)/files/*.sh scripts/*.sh .ci/run
+	hadolint docker/Dockerfile
 	ruff check .

@@ -10,6 +10,7 @@ train`, for each ZeRO stage on N CPU ranks. Prints tokens/s, c/b (our overhead; 
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def run_loop(mode: str, ds_path: Path, steps: int, ranks: int) -> tuple[float, f
     cmd = deepspeed_cmd(ranks) + [str(ROOT / "bench" / "loops.py"), "--mode", mode, "--ds-config", str(ds_path),
                                   "--steps", str(steps), "--model", json.dumps(MODEL)]
     out = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=900).stdout
-    rows = [json.loads(line.split("BENCH ", 1)[1]) for line in out.splitlines() if "BENCH " in line]
+    rows = [json.loads(row) for row in re.findall(r"BENCH (\{[^}]*\})", out)]  # ranks may share a line
     if len(rows) != ranks:
         raise RuntimeError(f"{mode} run failed:\n{out[-3000:]}")
     return min(r["tokens_per_s"] for r in rows), max(r["peak_rss_mib"] for r in rows)

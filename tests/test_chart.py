@@ -8,7 +8,16 @@ import pytest
 import yaml
 
 from tests.helm_template import (
-    CHART, CI_VALUES, HELM, HelmError, by_kind, container, env_of, helm_binaries, one, render_chart,
+    CHART,
+    CI_VALUES,
+    HELM,
+    HelmError,
+    by_kind,
+    container,
+    env_of,
+    helm_binaries,
+    one,
+    render_chart,
 )
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
@@ -115,7 +124,8 @@ def test_train_config_and_args_reach_the_launcher_command():
     assert "--config=/etc/deepspeed/config/train_config.json" in args
     assert "--checkpoint-dir=/checkpoints" in args
     assert args[-2:] == ["--log-every", "3"]
-    assert "--master_addr=job-deepspeed-training-worker-0.job-deepspeed-training-worker.default.svc.cluster.local" in args
+    worker0 = "job-deepspeed-training-worker-0.job-deepspeed-training-worker.default.svc.cluster.local"
+    assert f"--master_addr={worker0}" in args
 
 
 def test_ssh_keys_live_only_in_the_secret_and_load_in_openssh(tmp_path):

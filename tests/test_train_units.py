@@ -65,7 +65,7 @@ def test_token_file_shards_do_not_overlap_and_cover_the_file(tmp_path, world):
     (tmp_path / "t.bin").write_bytes((np.arange(length) % 256).astype("<u2").tobytes())
     bounds = [shard_bounds(length, rank, world) for rank in range(world)]
     assert bounds[0][0] == 0 and bounds[-1][1] == length
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     model = ModelConfig(seq_len=16)
     for rank, (start, end) in enumerate(bounds):
         data = TokenFileData(DataConfig(path=str(tmp_path / "t.bin")), model, rank, world, micro_batch=2)

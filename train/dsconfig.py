@@ -50,7 +50,7 @@ def batch_sizes(config: dict, world_size: int, source: str) -> tuple[int, int, i
     """(micro batch per GPU, gradient accumulation, global batch), completed as DeepSpeed does."""
     names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     micro, accum, total = (config.get(name) for name in names)
-    for name, value in zip(names, (micro, accum, total)):
+    for name, value in zip(names, (micro, accum, total), strict=True):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise DsConfigError(f"ds_config {source}: {name} must be an integer >= 1, got {value!r}")
     if total is None and micro is None:

@@ -127,7 +127,8 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
             last_saved = step
             logger.info(f"saved checkpoint {ckpt_dir / tag}")
         if stopping:
-            logger.warning(f"SIGTERM: stopped at step {step}" + (f", checkpoint at step {last_saved}" if ckpt_dir else ""))
+            saved = f", checkpoint at step {last_saved}" if ckpt_dir else ""
+            logger.warning(f"SIGTERM: stopped at step {step}{saved}")
             status = EXIT_SIGTERM
             break
 

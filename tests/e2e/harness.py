@@ -3,8 +3,9 @@
 Each pod the chart would create (every worker ordinal and the launcher) becomes a "host":
 - its own network namespace, with a veth into a private bridge that lives in a namespace of its own (nothing
   is added to the machine's own network), and addresses in 10.231.<n>.0/24, used only inside them;
-- its own UTS and PID namespaces (the pod's hostname; `pkill` sees only the pod's processes), a hosts file (/etc/netns/<ns>/hosts) that resolves
-  `<pod>.<service>` and `<pod>.<service>.<namespace>.svc.<clusterDomain>` for every worker as cluster DNS does;
+- its own UTS and PID namespaces (the pod's hostname; `pkill` sees only the pod's processes), and a hosts
+  file (/etc/netns/<ns>/hosts) that resolves `<pod>.<service>` and
+  `<pod>.<service>.<namespace>.svc.<clusterDomain>` for every worker as cluster DNS does;
 - its own mount namespace in which the pod's ConfigMap and Secret volumes appear at their mountPaths (files
   written from the rendered objects, honouring items and defaultMode), emptyDirs as fresh directories, and
   PersistentVolumeClaims as one shared directory per claim (the checkpoint PVC);
@@ -122,6 +123,62 @@ def ensure_user(uid: int, home: str) -> str:
     return entry.pw_name
 
 
+def find_object(docs: list[dict], kind: str, name: str) -> dict:
+    for doc in docs:
+        if doc["kind"] == kind and doc["metadata"]["name"] == name:
+            return doc
+    raise RuntimeError(f"{kind} {name} is not in the render (add it to the docs, as a cluster would have it)")
+
+
+def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> dict[str, Path]:
+    """mountPath -> directory on this machine holding what the pod sees there: ConfigMap and Secret files
+    (items, defaultMode, group fsGroup as the kubelet does), emptyDirs (mode 0777), claims via claim_dir()."""
+    by_name = {v["name"]: v for v in pod.volumes}
+    mounts = {}
+    for mount in pod.container.get("volumeMounts", []):
+        volume = by_name[mount["name"]]
+        target = root / mount["name"]
+        if "configMap" in volume or "secret" in volume:
+            source = volume.get("configMap") or volume["secret"]
+            kind = "ConfigMap" if "configMap" in volume else "Secret"
+            name = source["name"] if kind == "ConfigMap" else source["secretName"]
+            data = find_object(docs, kind, name).get("data", {})
+            if kind == "Secret":
+                data = {k: base64.b64decode(v) for k, v in data.items()}
+            items = source.get("items") or [{"key": k, "path": k} for k in data]
+            target.mkdir(parents=True, exist_ok=True)
+            for item in items:
+                path = target / item["path"]
+                value = data[item["key"]]
+                path.write_bytes(value if isinstance(value, bytes) else value.encode())
+                os.chown(path, 0, pod.gid)
+                os.chmod(path, item.get("mode", source.get("defaultMode", 0o644)))
+        elif "emptyDir" in volume:
+            target.mkdir(parents=True, exist_ok=True)
+            os.chmod(target, 0o777)
+        elif "persistentVolumeClaim" in volume:
+            target = claim_dir(volume["persistentVolumeClaim"]["claimName"])
+        else:
+            raise RuntimeError(f"{pod.name}: volume {mount['name']}: type not emulated")
+        mounts[mount["mountPath"]] = target
+    return mounts
+
+
+def container_env(docs: list[dict], pod: Pod) -> dict[str, str]:
+    """The container's env as the kubelet resolves it: values, the namespace fieldRef, secretKeyRefs."""
+    env = {}
+    for item in pod.container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif "fieldRef" in item.get("valueFrom", {}):
+            env[item["name"]] = {"metadata.namespace": "default"}[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in item.get("valueFrom", {}):
+            ref = item["valueFrom"]["secretKeyRef"]
+            secret = find_object(docs, "Secret", ref["name"])
+            env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+    return env
+
+
 class Cluster:
     """Hosts for the pods of one render. Use as a context manager; everything is removed on exit."""
 
@@ -193,43 +250,8 @@ class Cluster:
         return "\n".join(lines) + "\n"
 
     # ---- volumes
-    def _object(self, kind: str, name: str) -> dict:
-        for doc in self.docs:
-            if doc["kind"] == kind and doc["metadata"]["name"] == name:
-                return doc
-        raise RuntimeError(f"{kind} {name} is not in the render (add it to the docs, as a cluster would have it)")
-
     def _materialize(self, pod: Pod) -> dict[str, Path]:
-        """mountPath -> directory on this machine holding what the pod sees there."""
-        by_name = {v["name"]: v for v in pod.volumes}
-        mounts = {}
-        for mount in pod.container.get("volumeMounts", []):
-            volume = by_name[mount["name"]]
-            target = self.tmp / f"{pod.name}.{pod.attempt}" / mount["name"]
-            if "configMap" in volume or "secret" in volume:
-                source = volume.get("configMap") or volume["secret"]
-                kind, name = ("ConfigMap", source["name"]) if "configMap" in volume else ("Secret", source["secretName"])
-                data = self._object(kind, name).get("data", {})
-                if kind == "Secret":
-                    data = {k: base64.b64decode(v) for k, v in data.items()}
-                items = source.get("items") or [{"key": k, "path": k} for k in data]
-                target.mkdir(parents=True, exist_ok=True)
-                for item in items:
-                    path = target / item["path"]
-                    value = data[item["key"]]
-                    path.write_bytes(value if isinstance(value, bytes) else value.encode())
-                    os.chown(path, 0, pod.gid)  # as the kubelet does with fsGroup
-                    os.chmod(path, item.get("mode", source.get("defaultMode", 0o644)))
-            elif "emptyDir" in volume:
-                target.mkdir(parents=True, exist_ok=True)
-                os.chmod(target, 0o777)  # the kubelet's mode for emptyDirs
-            elif "persistentVolumeClaim" in volume:
-                claim = volume["persistentVolumeClaim"]["claimName"]
-                target = self.claim_dir(claim)
-            else:
-                raise RuntimeError(f"{pod.name}: volume {mount['name']}: type not emulated")
-            mounts[mount["mountPath"]] = target
-        return mounts
+        return materialize_volumes(self.docs, pod, self.tmp / f"{pod.name}.{pod.attempt}", self.claim_dir)
 
     def claim_dir(self, claim: str) -> Path:
         if claim not in self.claims:
@@ -258,19 +280,11 @@ class Cluster:
             pod.attempt += 1
             pod.mounts = {}
         pod.mounts = pod.mounts or self._materialize(pod)
-        for mount_path, source in pod.mounts.items():
+        for mount_path in pod.mounts:
             self._mountpoint(mount_path)
         argv = argv or pod.container.get("command", []) + pod.container.get("args", [])
-        env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOSTNAME": pod.hostname}
-        for item in pod.container.get("env", []):
-            if "value" in item:
-                env[item["name"]] = item["value"]
-            elif "fieldRef" in item.get("valueFrom", {}):
-                env[item["name"]] = {"metadata.namespace": "default"}[item["valueFrom"]["fieldRef"]["fieldPath"]]
-            elif "secretKeyRef" in item.get("valueFrom", {}):
-                ref = item["valueFrom"]["secretKeyRef"]
-                secret = self._object("Secret", ref["name"])
-                env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOSTNAME": pod.hostname,
+               **container_env(self.docs, pod)}
         binds = "".join(f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}; "
                         for dst, src in sorted(pod.mounts.items()))
         workdir = pod.container.get("workingDir", "/")

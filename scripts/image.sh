@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The worker/launcher image (docker/Dockerfile).  Usage: scripts/image.sh build|push|base
+#   build  docker or podman build of IMAGE_NAME:IMAGE_TAG (VARIANT=cpu|cuda, default cpu)
+#   push   tag and push it to REGISTRY
+#   base   (podman, offline machines) make the Dockerfile's FROM image with debootstrap instead of pulling it
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+VARIANT="${VARIANT:-cpu}"
+IMAGE_NAME="${IMAGE_NAME:-deepspeed-train}"
+IMAGE_TAG="${IMAGE_TAG:-0.1.0-$VARIANT}"
+TORCH_VERSION=2.13.0
+log() { echo "image: $*"; }
+
+engine() {
+  if command -v docker > /dev/null && docker info > /dev/null 2>&1; then
+    echo docker
+  elif command -v podman > /dev/null; then
+    echo podman
+  else
+    log "neither docker (with a running engine) nor podman found; install one, e.g. apt-get install podman" >&2
+    exit 1
+  fi
+}
+
+# podman here: runc (crun fails to set rlimits on hybrid cgroups) and finite ulimits, in a config of our own.
+export CONTAINERS_CONF="$root/.build/containers.conf"
+mkdir -p .build
+cat > "$CONTAINERS_CONF" << 'CONF'
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+CONF
+
+base() {
+  local image=debian:bookworm-slim mirror
+  if podman image exists "$image"; then
+    log "$image is present"
+    return
+  fi
+  mirror=$(awk '/^URIs:/ { print $2; exit }' /etc/apt/sources.list.d/*.sources 2> /dev/null || true)
+  mirror=${mirror:-$(awk '$1 == "deb" { print $2; exit }' /etc/apt/sources.list 2> /dev/null || true)}
+  [[ -n "$mirror" ]] || { log "no Debian mirror in the apt sources" >&2; exit 1; }
+  log "debootstrap --variant=minbase bookworm from $mirror (a few minutes)"
+  rm -rf .build/rootfs
+  debootstrap --variant=minbase bookworm .build/rootfs "$mirror" > .build/debootstrap.log
+  tar -C .build/rootfs -c . | podman import - "$image" > /dev/null
+  rm -rf .build/rootfs
+  log "imported $image"
+}
+
+build() {
+  local tool args=()
+  tool=$(engine)
+  rm -f docker/wheels/*.whl
+  if [[ "$VARIANT" == cpu ]]; then
+    # A local CPU torch wheel (this machine's pip find-links) saves fetching it; else PyTorch's CPU index.
+    wheel=$(find "${PIP_FIND_LINKS:-/opt/wheels}" -maxdepth 1 -name "torch-$TORCH_VERSION+cpu-cp311-*.whl" 2> /dev/null | head -1)
+    if [[ -n "$wheel" ]]; then
+      cp "$wheel" docker/wheels/
+    else
+      args+=(--build-arg "TORCH_PIP_ARGS=--index-url https://download.pytorch.org/whl/cpu")
+    fi
+  else
+    args+=(--build-arg "BASE=${CUDA_BASE:-nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04}")
+  fi
+  # The host's CA bundle, when it sets one, is trusted by pip inside the build but never stored in it.
+  if [[ -s "${SSL_CERT_FILE:-}" ]]; then args+=(--secret "id=ca,src=$SSL_CERT_FILE"); fi
+  # podman: the docker image format (OCI drops HEALTHCHECK, SHELL...); --pull=never for a local base.
+  if [[ "$tool" == podman ]]; then args+=(--format docker); fi
+  if [[ "$tool" == podman ]] && podman image exists debian:bookworm-slim; then args+=(--pull=never); fi
+  log "$tool build $IMAGE_NAME:$IMAGE_TAG (VARIANT=$VARIANT)"
+  "$tool" build -f docker/Dockerfile --build-arg "VARIANT=$VARIANT" "${args[@]}" -t "$IMAGE_NAME:$IMAGE_TAG" .
+  rm -f docker/wheels/*.whl
+}
+
+push() {
+  local tool
+  : "${REGISTRY:?REGISTRY is required: make image-push REGISTRY=registry.example.com/ml}"
+  tool=$(engine)
+  "$tool" tag "$IMAGE_NAME:$IMAGE_TAG" "$REGISTRY/$IMAGE_NAME:$IMAGE_TAG"
+  "$tool" push "$REGISTRY/$IMAGE_NAME:$IMAGE_TAG"
+}
+
+case "${1:-}" in
+  build | push | base) "$1" ;;
+  *)
+    echo "usage: $0 build|push|base" >&2
+    exit 2
+    ;;
+esac
