@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # Waits until every host in the hostfile resolves and accepts an SSH login, or fails at the deadline
 # naming the hosts still missing.  Usage: wait-for-workers.sh HOSTFILE TIMEOUT_SECONDS [INTERVAL_SECONDS]
+# Hosts are checked up to DS_WAIT_PARALLEL (32) at a time, so a round stays short on large jobs.
 set -euo pipefail
-hostfile="$1" timeout="$2" interval="${3:-5}"
+hostfile="$1" timeout="$2" interval="${3:-5}" parallel="${DS_WAIT_PARALLEL:-32}"
 log() { echo "wait-for-workers: $*"; }
+
+# Prints nothing when $1 is reachable, else why not.
+check() {
+  local host="$1" err
+  if ! getent hosts "$host" > /dev/null; then
+    echo "no DNS record"
+  elif ! err=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" true 2>&1); then
+    echo "SSH failed: ${err:-no output}" | tr '\n' ' '
+  fi
+}
 
 mapfile -t pending < <(awk '!/^[[:space:]]*#/ && NF { print $1 }' "$hostfile")
 total=${#pending[@]}
@@ -12,18 +23,19 @@ if ((total == 0)); then
   exit 2
 fi
 log "waiting up to ${timeout}s for $total workers (DNS and SSH)"
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
 deadline=$((SECONDS + timeout))
-declare -A why
 while :; do
+  for ((i = 0; i < ${#pending[@]}; i += parallel)); do
+    for host in "${pending[@]:i:parallel}"; do
+      check "$host" > "$results/$host" &
+    done
+    wait
+  done
   still=()
   for host in "${pending[@]}"; do
-    if ! getent hosts "$host" > /dev/null; then
-      why[$host]="no DNS record"
-      still+=("$host")
-    elif ! err=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" true 2>&1); then
-      why[$host]="SSH failed: ${err:-no output}"
-      still+=("$host")
-    fi
+    [[ -s "$results/$host" ]] && still+=("$host")
   done
   pending=("${still[@]}")
   if ((${#pending[@]} == 0)); then
@@ -32,7 +44,7 @@ while :; do
   fi
   if ((SECONDS >= deadline)); then
     log "ERROR: ${#pending[@]} of $total workers still unreachable after ${timeout}s:"
-    for host in "${pending[@]}"; do log "  $host: ${why[$host]}"; done
+    for host in "${pending[@]}"; do log "  $host: $(cat "$results/$host")"; done
     exit 1
   fi
   shown="${pending[*]:0:5}"
