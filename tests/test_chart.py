@@ -174,7 +174,7 @@ def test_only_the_launcher_gets_a_token_and_only_to_scale_workers():
     assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
     role = one(docs, "Role")
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
-                              "resourceNames": [sts["metadata"]["name"]], "verbs": ["get", "patch"]}]
+                              "resourceNames": [sts["metadata"]["name"]], "verbs": ["patch"]}]
     assert one(docs, "RoleBinding")["subjects"][0]["name"] == one(docs, "ServiceAccount")["metadata"]["name"]
     assert env_of(job)["DS_SCALE_DOWN_WORKERS"] == "true"
 

@@ -76,3 +76,4 @@ def test_a_worker_with_another_host_key_is_refused(docs):
         result = cluster.exec(launcher, ["bash", "-c", script], timeout=30)
         assert result.returncode == 1
         assert "Host key verification failed" in result.stdout
+

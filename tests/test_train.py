@@ -199,3 +199,14 @@ def test_help_documents_the_contract():
     for flag in ("--ds-config", "--config", "--steps", "--checkpoint-dir", "--log-every", "--checkpoint-every",
                  "--keep-checkpoints", "--dist-timeout-s", "--model.n-layer", "--data.path"):
         assert flag in result.stdout
+
+
+def test_ds_config_monitor_section_records_the_loss(tmp_path):
+    monitor = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "run"}
+    ds_config = write_ds_config(tmp_path, cpu_ds_config(csv_monitor=monitor))
+    result = run_train(["--ds-config", str(ds_config), "--steps", "6", "--log-every", "3", *TINY])
+    assert result.returncode == 0, result.stdout[-4000:]
+    files = {p.name: p for p in (tmp_path / "monitor").rglob("*.csv")}
+    assert "Train_Samples_train_loss.csv" in files and "Train_Samples_lr.csv" in files, files
+    rows = files["Train_Samples_train_loss.csv"].read_text().splitlines()
+    assert len(rows) == 1 + 6  # header and one row per step

@@ -110,6 +110,8 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
         dist.all_reduce(shared)
         mean_loss, stopping = shared[0].item() / world_size, shared[1].item() > 0
         losses.append((step, mean_loss))
+        if engine.monitor.enabled and rank == 0:  # ds_config's tensorboard / csv_monitor / wandb sections
+            engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
 
         if step % cfg.log_every == 0 or step == cfg.steps or stopping:
             now = time.perf_counter()
