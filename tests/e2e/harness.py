@@ -13,7 +13,8 @@ Each pod the chart would create (every worker ordinal and the launcher) becomes 
 
 The local Python environment stands in for the image: the chart's pods need nothing from the image but
 PATH-resolvable programs (bash, sshd, ssh, ssh-keygen, pdsh, python, deepspeed) and take their scripts from
-the ConfigMap, so the harness puts the venv first on PATH. Not emulated: resource limits, probes,
+the ConfigMap, so the harness puts the venv first on PATH (and keeps this checkout visible in the pods, also
+when it lies under a path the pod mounts over, such as /tmp). Not emulated: resource limits, probes,
 readOnlyRootFilesystem (the image test covers it), NetworkPolicy. Needs root; cleans up every namespace,
 mount point, file and process it made, also when a test fails.
 """
@@ -285,8 +286,15 @@ class Cluster:
         argv = argv or pod.container.get("command", []) + pod.container.get("args", [])
         env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOSTNAME": pod.hostname,
                **container_env(self.docs, pod)}
-        binds = "".join(f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}; "
-                        for dst, src in sorted(pod.mounts.items()))
+        binds = ""
+        for dst, src in sorted(pod.mounts.items()):
+            if ROOT.is_relative_to(dst):  # e.g. a checkout under /tmp, which the pod's /tmp emptyDir would hide
+                inside = src / ROOT.relative_to(dst)
+                inside.mkdir(parents=True, exist_ok=True)
+                binds = f"mount --bind {shlex.quote(str(ROOT))} {shlex.quote(str(inside))}; " + binds
+                binds += f"mount --rbind {shlex.quote(str(src))} {shlex.quote(dst)}; "
+            else:
+                binds += f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}; "
         workdir = pod.container.get("workingDir", "/")
         inner = (f"hostname {shlex.quote(pod.hostname)}; {binds}cd {shlex.quote(workdir)}; exec setpriv "
                  f"--reuid={pod.uid} --regid={pod.gid} --clear-groups --inh-caps=-all "
