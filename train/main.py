@@ -27,8 +27,9 @@ EXIT_SIGTERM = 143  # non-zero, so a Job retries and the next attempt resumes fr
 
 def init_logger(rank: int) -> None:
     """INFO on rank 0, warnings and errors elsewhere, one format everywhere."""
-    # DeepSpeed's ZeRO calls a torch collective that torch marks deprecated, once per step and rank.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    # DeepSpeed's ZeRO calls torch collectives that torch marks deprecated, once per step and rank.
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*",
+                            category=FutureWarning)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S"))
     logger.handlers[:] = [handler]
