@@ -26,7 +26,7 @@ WORKER, LAUNCHER = "worker", "launcher"
 
 
 def workloads(docs):
-    return one(docs, "StatefulSet", "-worker"), one(docs, "Job", "-launcher")
+    return one(docs, "StatefulSet", "-worker"), one(docs, "Job", "-launcher-1")
 
 
 def config_data(docs) -> dict:
@@ -123,6 +123,7 @@ def test_train_config_and_args_reach_the_launcher_command():
     assert "--ds-config=/etc/deepspeed/config/ds_config.json" in args
     assert "--config=/etc/deepspeed/config/train_config.json" in args
     assert "--checkpoint-dir=/checkpoints" in args
+    assert "--force_multi" in args  # ranks never run in the launcher pod, also with one worker
     assert args[-2:] == ["--log-every", "3"]
     worker0 = "job-deepspeed-training-worker-0.job-deepspeed-training-worker.default.svc.cluster.local"
     assert f"--master_addr={worker0}" in args
@@ -217,7 +218,6 @@ def test_plain_env_goes_to_deepspeed_env_and_secret_env_through_the_worker():
     sts, job = workloads(docs)
     worker_env = env_of(sts)
     assert worker_env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
-    assert worker_env["DS_POD_ENV_NAMES"] == "HF_TOKEN"
     assert "HF_TOKEN" not in env_of(job)
     assert "hf" not in config_data(docs)["deepspeed_env"]
 
@@ -246,16 +246,43 @@ def test_checkpoint_volume_follows_the_values():
     volume, claims = checkpoint_volume({"existingClaim": "ckpt"})
     assert volume["persistentVolumeClaim"] == {"claimName": "ckpt"} and claims is None
     spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}}
-    volume, claims = checkpoint_volume({"volumeClaimSpec": spec})
+    sts, _ = workloads(render_chart({"worker": {"replicas": 1}, "checkpoints": {"volumeClaimSpec": spec}}))
+    volume = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}.get("checkpoints")
+    claims = sts["spec"].get("volumeClaimTemplates")
     assert volume is None and claims[0]["metadata"]["name"] == "checkpoints" and claims[0]["spec"] == spec
     volume, claims = checkpoint_volume({"mountPath": "/ckpt"})
     assert volume == {"name": "checkpoints", "emptyDir": {}} and claims is None
 
 
-def test_data_claim_is_mounted_read_only_everywhere():
-    for workload in workloads(render_chart({"data": {"existingClaim": "corpus", "mountPath": "/corpus"}})):
-        mounts = {m["name"]: m for m in container(workload)["volumeMounts"]}
-        assert mounts["data"] == {"name": "data", "mountPath": "/corpus", "readOnly": True}
+def test_data_claim_is_mounted_read_only_on_workers_only():
+    sts, job = workloads(render_chart({"data": {"existingClaim": "corpus", "mountPath": "/corpus"}}))
+    mounts = {m["name"]: m for m in container(sts)["volumeMounts"]}
+    assert mounts["data"] == {"name": "data", "mountPath": "/corpus", "readOnly": True}
+    assert "data" not in {m["name"] for m in container(job)["volumeMounts"]}  # no Multi-Attach with RWO
+
+
+def test_the_launcher_job_is_per_revision_and_retries_safely():
+    _, job = workloads(render_chart())
+    assert job["spec"]["podReplacementPolicy"] == "Failed"
+    assert job["spec"]["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 150  # worker grace + 30
+    assert env_of(job)["DS_KILL_GRACE_SECONDS"] == "110"
+
+
+def test_per_worker_checkpoint_volumes_need_a_single_worker():
+    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+    with pytest.raises(HelmError) as err:
+        render_chart({"worker": {"replicas": 2}, "checkpoints": {"volumeClaimSpec": spec}})
+    assert "checkpoints.volumeClaimSpec" in err.value.stderr and "checkpoints.existingClaim" in err.value.stderr
+
+
+def test_scale_permission_never_goes_to_the_default_service_account():
+    with pytest.raises(HelmError) as err:
+        render_chart({"serviceAccount": {"create": False}})
+    assert "needs serviceAccount.name" in err.value.stderr
+    docs = render_chart({"serviceAccount": {"create": False, "name": "trainer"}})
+    assert one(docs, "RoleBinding")["subjects"][0]["name"] == "trainer"
 
 
 def test_shm_is_memory_backed_with_the_configured_size():
@@ -287,6 +314,8 @@ def test_gang_scheduling_hooks():
         assert template["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == podgroup["metadata"]["name"]
         assert template["spec"]["schedulerName"] == "volcano"
     assert by_kind(render_chart(), "PodGroup") == []
+    sts, _ = workloads(render_chart({"scheduling": {"volcano": {"enabled": True}}}))
+    assert sts["spec"]["template"]["spec"]["schedulerName"] == "volcano"  # the PodGroup needs Volcano
 
 
 def test_launcher_job_knobs():
@@ -336,7 +365,7 @@ def test_notes_say_how_to_follow_the_job():
                            "--set", "image.repository=r/i", "--set", "worker.replicas=4", "--set",
                            "worker.gpusPerWorker=8"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "kubectl -n ml logs -f job/job-deepspeed-training-launcher" in proc.stdout
+    assert "kubectl -n ml logs -f job/job-deepspeed-training-launcher-1" in proc.stdout
     assert "world size 32 = 4 workers x 8 GPUs" in proc.stdout
     assert "checkpoints: /checkpoints" in proc.stdout
 

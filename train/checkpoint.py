@@ -93,7 +93,43 @@ def find_resume_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
     return None, []
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int) -> str:
+def agree_on_resume_tag(ckpt_dir: Path, rank: int, world_size: int, zero_stage: int, logger) -> str | None:
+    """The tag every rank resumes from. Rank 0 picks it; every rank then checks it sees that checkpoint
+    complete (shared storage) and that it was written with this world size and ZeRO stage. Errors reach every
+    rank, so none waits for a peer that gave up."""
+    decision = [None]
+    if rank == 0:
+        try:
+            tag, skipped = find_resume_tag(ckpt_dir)
+            decision[0] = ("ok", tag, skipped)
+        except CheckpointError as err:
+            decision[0] = ("error", str(err), [])
+    dist.broadcast_object_list(decision, src=0)
+    verdict, tag, skipped = decision[0]
+    if verdict == "error":
+        raise CheckpointError(tag)
+    for name in skipped:
+        logger.warning(f"skipping incomplete checkpoint {ckpt_dir / name}")
+    if tag is None:
+        return None
+    sees = [None] * world_size
+    dist.all_gather_object(sees, is_complete(ckpt_dir / tag))
+    missing = [r for r, ok in enumerate(sees) if not ok]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir / tag} is complete on rank 0 but not on rank(s) {missing}: the checkpoint dir "
+            "must be one volume shared by all workers (checkpoints.existingClaim, a ReadWriteMany PVC)")
+    manifest = json.loads((ckpt_dir / tag / COMMIT_FILE).read_text())
+    saved = (manifest.get("world_size", world_size), manifest.get("zero_stage", zero_stage))
+    if saved != (world_size, zero_stage):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir / tag} was written by {saved[0]} ranks with ZeRO stage {saved[1]}; this run has "
+            f"{world_size} ranks and stage {zero_stage}. Resume with the same world size and stage, convert it "
+            "(DeepSpeed's universal checkpoint or zero_to_fp32.py), or start in an empty checkpoint dir.")
+    return tag
+
+
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, world_size: int) -> str:
     """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits on rank 0."""
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
@@ -107,7 +143,9 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int) -> st
                 os.fsync(f.fileno())
     dist.barrier()
     if dist.get_rank() == 0:
-        write_atomic(tag_dir / COMMIT_FILE, json.dumps({"step": step, "files": _files(tag_dir)}, indent=1))
+        manifest = {"step": step, "world_size": world_size, "zero_stage": engine.zero_optimization_stage(),
+                    "files": _files(tag_dir)}
+        write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
         write_atomic(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep)
     dist.barrier()

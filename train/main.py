@@ -55,7 +55,7 @@ def format_eta(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
+def train(cfg: TrainConfig, rank: int, world_size: int, stop: StopFlag) -> int:
     ds_config = dsconfig.load(cfg.ds_config)
     micro, accum, global_batch = dsconfig.validate(ds_config, world_size, cfg.ds_config)
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
@@ -66,7 +66,6 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     n_params = count_parameters(model)
-    stop = StopFlag()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     device = engine.device
     dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
@@ -77,11 +76,7 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
 
     start_step, position = 0, 0
     if ckpt_dir:
-        found = [checkpoint.find_resume_tag(ckpt_dir) if rank == 0 else None]
-        dist.broadcast_object_list(found, src=0)  # one decision, even if ranks see the dir differently
-        tag, skipped = found[0]
-        for name in skipped:
-            logger.warning(f"skipping incomplete checkpoint {ckpt_dir / name}")
+        tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, world_size, engine.zero_optimization_stage(), logger)
         if tag:
             path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
             if path is None:
@@ -96,6 +91,7 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
     last_saved = start_step
     started = interval_start = time.perf_counter()
     last_logged = start_step
+    checkpoint_s = 0.0  # time spent saving, kept out of the throughput figures
     status = 0
     for step in range(start_step + 1, cfg.steps + 1):
         step_loss = torch.zeros((), device=device)
@@ -125,10 +121,14 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
                 f"eta {format_eta(per_step * (cfg.steps - step))}")
             interval_start = now
         if ckpt_dir and (stopping or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            save_started = time.perf_counter()
             tag = checkpoint.save(engine, ckpt_dir, step, {"step": step, "data_position": position},
-                                  cfg.keep_checkpoints)
+                                  cfg.keep_checkpoints, world_size)
+            saved_in = time.perf_counter() - save_started
+            checkpoint_s += saved_in
+            interval_start += saved_in
             last_saved = step
-            logger.info(f"saved checkpoint {ckpt_dir / tag}")
+            logger.info(f"saved checkpoint {ckpt_dir / tag} in {saved_in:.1f}s")
         if stopping:
             saved = f", checkpoint at step {last_saved}" if ckpt_dir else ""
             logger.warning(f"SIGTERM: stopped at step {step}{saved}")
@@ -139,13 +139,14 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
     steps_run = len(losses)
     peak_rss = [0.0] * world_size  # MiB per rank, for metrics.json
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    if rank == 0 and ckpt_dir:
+    if rank == 0 and ckpt_dir and steps_run:  # a run with nothing left to do keeps the last metrics
         metrics = {
             "steps": losses[-1][0] if losses else start_step,
             "steps_run": steps_run,
             "final_loss": losses[-1][1] if losses else None,
-            "tokens_per_s": tokens_per_step * steps_run / elapsed if steps_run else None,
+            "tokens_per_s": tokens_per_step * steps_run / (elapsed - checkpoint_s) if steps_run else None,
             "elapsed_s": elapsed,
+            "checkpoint_s": checkpoint_s,
             "world_size": world_size,
             "peak_rss_mib": peak_rss,
             "losses": losses,
@@ -157,6 +158,7 @@ def train(cfg: TrainConfig, rank: int, world_size: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop = StopFlag()  # first: a SIGTERM during start-up must not kill this rank while its peers wait
     rank = int(os.environ.get("RANK", "0"))
     init_logger(rank)
     try:
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed(timeout=timedelta(seconds=cfg.dist_timeout_s))
     status = 1
     try:
-        status = train(cfg, dist.get_rank(), dist.get_world_size())
+        status = train(cfg, dist.get_rank(), dist.get_world_size(), stop)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's
         status = 2

@@ -46,7 +46,7 @@ def test_the_chart_trains_on_a_cluster(kube_cluster, namespace_factory):
                     "--set", f"image.tag={tag}", "--set", "image.pullPolicy=IfNotPresent",
                     "--set", "train.config.steps=20"], check=True)
     try:
-        launcher = f"{release}-deepspeed-training-launcher"
+        launcher = f"{release}-deepspeed-training-launcher-1"  # per Helm revision
         wait_for_jobs_to_complete(kube_cluster.kube_client, [launcher], namespace, timeout_sec=900)
         logs = kube_cluster.kubectl(f"logs job/{launcher}", namespace=namespace, output_format="")
         assert "wait-for-workers: all 2 workers are reachable" in logs

@@ -8,20 +8,20 @@ scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$scripts_dir/ssh-setup.sh"
 
 # Ranks started over SSH do not inherit this container's env. sshd hands them ~/.ssh/environment
-# (PermitUserEnvironment): PATH, so they find the image's tools, and the env entries that came from
-# valueFrom (secrets), which never pass through a shell or the launcher's log.
-{
-  echo "PATH=$PATH"
-  for name in ${DS_POD_ENV_NAMES:-}; do
-    value="${!name-}"
-    if [[ "$value" == *$'\n'* ]]; then
-      echo "worker: env $name contains a newline; sshd's environment file cannot carry it" >&2
-      exit 1
-    fi
-    echo "$name=$value"
-  done
-} > "$HOME/.ssh/environment"
+# (PermitUserEnvironment): this container's env as the image and the chart set it (PATH, LD_LIBRARY_PATH,
+# CUDA_*, NVIDIA_*, and the chart's valueFrom entries such as secrets), never through a shell or a log.
+skip='^(HOSTNAME|HOME|PWD|OLDPWD|SHLVL|_|TERM)$'
+: > "$HOME/.ssh/environment"
 chmod 600 "$HOME/.ssh/environment"
+while IFS= read -r -d '' entry; do
+  name="${entry%%=*}"
+  [[ "$name" =~ $skip || ! "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] && continue
+  if [[ "$entry" == *$'\n'* ]]; then
+    echo "worker: env $name contains a newline; sshd's environment file cannot carry it to the ranks" >&2
+    continue
+  fi
+  printf '%s\n' "$entry" >> "$HOME/.ssh/environment"
+done < <(env -0)
 
 stop() {
   echo "worker: SIGTERM: stopping local ranks"

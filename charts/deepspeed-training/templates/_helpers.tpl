@@ -45,6 +45,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{- define "deepspeed-training.launcherName" -}}
+{{- printf "%s-launcher-%d" (include "deepspeed-training.fullname" .) (int .Release.Revision) }}
+{{- end }}
+
 {{- define "deepspeed-training.workerName" -}}
 {{- printf "%s-worker" (include "deepspeed-training.fullname" .) }}
 {{- end }}
@@ -87,14 +91,8 @@ Rank env with plain values. DeepSpeed's pdsh runner pastes each one into the rem
 {{- end }}
 {{- end }}
 
-{{/* Names of rank env entries that come from valueFrom; workers hand them to ranks through sshd. */}}
-{{- define "deepspeed-training.podEnvNames" -}}
-{{- $names := list }}
-{{- range .Values.env }}{{ if hasKey . "valueFrom" }}{{ $names = append $names .name }}{{ end }}{{ end }}
-{{- join " " $names }}
-{{- end }}
-
-{{/* Checksum of everything mounted into the pods, so a changed ds_config or key rolls them. */}}
+{{/* Checksum of the ConfigMaps the pods mount, so a changed ds_config or script rolls them. The Secret is
+left out (`helm template` generates new keys each time); rotating ssh.existingSecret needs a restart. */}}
 {{- define "deepspeed-training.configChecksum" -}}
 {{- $config := include (print $.Template.BasePath "/configmap.yaml") . | fromYaml }}
 {{- $scripts := include (print $.Template.BasePath "/configmap-scripts.yaml") . | fromYaml }}
@@ -111,7 +109,7 @@ imagePullSecrets:
   - name: {{ . }}
 {{- end }}
 {{- end }}
-{{- with .root.Values.scheduling.schedulerName }}
+{{- with (.root.Values.scheduling.schedulerName | default (ternary "volcano" "" .root.Values.scheduling.volcano.enabled)) }}
 schedulerName: {{ . }}
 {{- end }}
 {{- with ($values.priorityClassName | default $global.priorityClassName) }}
@@ -147,7 +145,7 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . }}
 {{- end }}
 {{- end }}
 
-{{/* Volumes every pod mounts: config, scripts, SSH keys, home, /tmp and the data PVC. */}}
+{{/* Volumes every pod mounts: config, scripts, SSH keys, home and /tmp. */}}
 {{- define "deepspeed-training.commonVolumes" -}}
 - name: config
   configMap:
@@ -164,12 +162,6 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . }}
   emptyDir: {}
 - name: tmp
   emptyDir: {}
-{{- with .Values.data.existingClaim }}
-- name: data
-  persistentVolumeClaim:
-    claimName: {{ . }}
-    readOnly: true
-{{- end }}
 {{- end }}
 
 {{- define "deepspeed-training.commonVolumeMounts" -}}
@@ -186,11 +178,6 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . }}
   mountPath: {{ .Values.image.homeDir }}
 - name: tmp
   mountPath: /tmp
-{{- if .Values.data.existingClaim }}
-- name: data
-  mountPath: {{ .Values.data.mountPath }}
-  readOnly: true
-{{- end }}
 {{- end }}
 
 {{/* Env both containers get: where things are, for files/*.sh. */}}
