@@ -291,7 +291,7 @@ def run(cmd: list[str], dry_run: bool = False, env: dict | None = None) -> int:
     return 0 if dry_run else subprocess.run(cmd, env=env).returncode
 
 
-def helm_template(r: Rendered, context: str | None) -> str:
+def helm_template(r: Rendered) -> str:
     """The manifests Helm would apply (the chart's own checks run here too)."""
     cmd = [helm(), "template", release_name(r), str(CHART), "-f", str(r.out / "values.yaml"),
            *helm_args(r, None)]
@@ -303,7 +303,7 @@ def helm_template(r: Rendered, context: str | None) -> str:
 
 
 def deploy(r: Rendered, context: str | None, dry_run: bool, wait: bool) -> int:
-    manifests = helm_template(r, context)
+    manifests = helm_template(r)
     cmd = [helm(), "upgrade", "--install", release_name(r), str(CHART), "-f", str(r.out / "values.yaml"),
            *helm_args(r, context), "--create-namespace"]
     if wait or r.settings["deploy"]["wait"]:
@@ -329,7 +329,9 @@ def demo(r: Rendered) -> int:
             env[item["name"]] = item["value"]
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"demo: world size {r.world_size} on this machine ({r.world_size} CPU ranks)", flush=True)
-    code = run(cmd, env=env) if shutil.which("deepspeed") else 127
+    if not shutil.which("deepspeed"):
+        raise DeployError("deepspeed is not on PATH: run `make setup`, then `make demo` (the Makefile adds .venv/bin)")
+    code = run(cmd, env=env)
     if code == 0:
         print(f"demo: done; checkpoints and metrics.json in {ckpt.relative_to(ROOT)}. A rerun resumes from the last "
               f"checkpoint; `rm -rf {ckpt.parent.relative_to(ROOT)}` starts over.")
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(plan(r, context))
             return 0
         if args.command == "template":
-            sys.stdout.write(helm_template(r, context))
+            sys.stdout.write(helm_template(r))
             return 0
         print(plan(r, context), flush=True)
         if args.command == "deploy":
