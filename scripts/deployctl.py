@@ -196,11 +196,11 @@ def memory_estimate(r: Rendered) -> tuple[int, int, int, str]:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from train.model import GPT, count_parameters, largest_layer_parameters
+    from train.model import build_model, count_parameters, largest_layer_parameters
 
     model_values = r.chart.get("train", {}).get("config", {}).get("model", {})
     with torch.device("meta"):  # shapes only: no memory, no time, even for billions of parameters
-        model = GPT(ModelConfig(**model_values))
+        model = build_model(ModelConfig(**model_values))
     params = count_parameters(model)
     zero = r.ds_config.get("zero_optimization", {})
     stage = zero.get("stage", 0)

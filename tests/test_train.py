@@ -132,6 +132,22 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path):
     assert (ckpt / "latest").read_text() == checkpoint.tag_for(stopped)
 
 
+def test_a_hugging_face_model_from_a_local_config_trains(tmp_path):
+    pytest.importorskip("transformers")
+    hf = tmp_path / "tiny-gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, '
+                                    '"vocab_size": 256, "n_positions": 64}')
+    ds_config = write_ds_config(tmp_path, cpu_ds_config())
+    ckpt = tmp_path / "ckpt"
+    result = run_train(["--ds-config", str(ds_config), "--steps", "20", "--model.hf-config", str(hf),
+                        "--checkpoint-dir", str(ckpt), *TINY])
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = losses(ckpt)
+    assert run[20] < run[1] * 0.8
+    assert f"M parameters (gpt2 from {hf}) |" in result.stdout
+
+
 def test_token_file_training(tmp_path):
     text = ("The quick brown fox jumps over the lazy dog. " * 400)
     (tmp_path / "corpus.txt").write_text(text)

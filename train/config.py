@@ -30,6 +30,8 @@ class ModelConfig:
     vocab_size: int = doc("Vocabulary size; token ids in the data must be below it.", 256)
     seq_len: int = doc("Tokens per sample (context length).", 64)
     dropout: float = doc("Dropout probability.", 0.0)
+    hf_config: str = doc("Directory with a Hugging Face config.json: train that causal LM (built from the config, "
+                         "nothing downloaded; needs `transformers`) instead of the built-in GPT.", "")
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):

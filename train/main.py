@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from train import checkpoint, dsconfig
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, make_data
-from train.model import GPT, count_parameters
+from train.model import build_model, count_parameters
 
 logger = logging.getLogger("train")
 EXIT_SIGTERM = 143  # non-zero, so a Job retries and the next attempt resumes from the saved checkpoint
@@ -64,14 +64,15 @@ def train(cfg: TrainConfig, rank: int, world_size: int, stop: StopFlag) -> int:
     data = make_data(cfg.data, cfg.model, rank, world_size, micro)
 
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
+    model = build_model(cfg.model)
     n_params = count_parameters(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     device = engine.device
     dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     logger.info(
         f"world size {world_size} | ZeRO stage {engine.zero_optimization_stage()} | {dtype} | batch {micro} micro x "
-        f"{accum} accumulation x {world_size} ranks = {global_batch} | {n_params / 1e6:.2f}M parameters | "
+        f"{accum} accumulation x {world_size} ranks = {global_batch} | {n_params / 1e6:.2f}M parameters "
+        f"({model.model.config.model_type + ' from ' + cfg.model.hf_config if cfg.model.hf_config else 'GPT'}) | "
         f"{get_accelerator().device_name()} / {torch.distributed.get_backend()}")
 
     start_step, position = 0, 0

@@ -66,6 +66,35 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class HFCausalLM(nn.Module):
+    """A `transformers` causal LM built from a local config (never fetched from a hub), with GPT's forward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from train.config import ConfigError
+
+        try:
+            config = AutoConfig.from_pretrained(cfg.hf_config, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.hf_config {cfg.hf_config}: not a Hugging Face config dir: {err}") from None
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if config.vocab_size < cfg.vocab_size or (positions and positions < cfg.seq_len):
+            raise ConfigError(f"model.hf_config {cfg.hf_config}: vocab_size {config.vocab_size} and positions "
+                              f"{positions} must cover model.vocab_size {cfg.vocab_size} and model.seq_len "
+                              f"{cfg.seq_len} (the data's token range and sample length)")
+        self.model = AutoModelForCausalLM.from_config(config)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=idx).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    return HFCausalLM(cfg) if cfg.hf_config else GPT(cfg)
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (the tied embedding counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
