@@ -70,13 +70,13 @@ undeploy: ## helm uninstall the release (the SSH key Secret is kept for a later 
 	$(DEPLOYCTL) undeploy
 
 .PHONY: demo
-demo: ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.
+demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.
 	python scripts/deployctl.py --env dev $(if $(PROJECT),--project $(PROJECT)) demo
 
 ##@ Development
 
 .PHONY: test
-test: lint ## Lint, then run the whole test suite (chart, train, glue, multi-host e2e).
+test: setup lint ## Set up if needed, lint, then run the whole test suite (chart, train, glue, multi-host e2e).
 	pytest $(PYTEST_ARGS)
 
 .PHONY: image
