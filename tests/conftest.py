@@ -1,0 +1,16 @@
+"""Session-wide clean-up: ranks that tests kill on purpose cannot release DeepSpeed's /dev/shm buffers."""
+
+from pathlib import Path
+
+import pytest
+
+SHM = Path("/dev/shm")
+PATTERN = "deepspeed_allreduce_buffer_*"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def release_leftover_shm_buffers():
+    before = set(SHM.glob(PATTERN))
+    yield
+    for path in set(SHM.glob(PATTERN)) - before:
+        path.unlink(missing_ok=True)
