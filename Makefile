@@ -15,12 +15,24 @@ PROJECT ?=
 KUBE_CONTEXT ?=
 DRY_RUN ?=
 WAIT ?=
-DEPLOYCTL = python scripts/deployctl.py --env $(ENV) $(if $(PROJECT),--project $(PROJECT)) \
-  $(if $(KUBE_CONTEXT),--kube-context $(KUBE_CONTEXT)) $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run) \
-  $(if $(filter 1 true yes,$(WAIT)),--wait)
 ENVS := $(basename $(filter-out base.yaml,$(notdir $(wildcard values/*.yaml))))
-require-env = $(if $(ENV),,$(error ENV is required: `make $@ ENV=dev`; environments: $(ENVS)))
+PROJECTS := $(notdir $(patsubst %/,%,$(wildcard values/projects/*/)))
+# ENV, PROJECT and KUBE_CONTEXT may come from a CI pipeline: taken unexpanded ($(value)), ENV and PROJECT
+# accepted only as names under values/, and all three reach recipes as environment variables ("$$ENV"), never
+# pasted into a shell line.
+override ENV := $(value ENV)
+override PROJECT := $(value PROJECT)
+override KUBE_CONTEXT := $(value KUBE_CONTEXT)
+export ENV PROJECT KUBE_CONTEXT
+one-of = $(and $(filter 1,$(words $(1))),$(filter $(1),$(2)))
+check-project = $(if $(PROJECT),$(if $(call one-of,$(PROJECT),$(PROJECTS)),,$(error PROJECT: not a project under \
+  values/projects/; expected one of: $(PROJECTS))))
+require-env = $(if $(ENV),,$(error ENV is required: `make $@ ENV=dev`; environments: $(ENVS)))$(if \
+  $(call one-of,$(ENV),$(ENVS)),,$(error ENV: not an environment under values/; expected one of: $(ENVS)))$(check-project)
 require-project = $(if $(PROJECT),,$(error PROJECT is required for $@: `make $@ ENV=$(or $(ENV),prod) PROJECT=example`))
+DEPLOYCTL = python scripts/deployctl.py --env "$$ENV" $(if $(PROJECT),--project "$$PROJECT") \
+  $(if $(KUBE_CONTEXT),--kube-context "$$KUBE_CONTEXT") $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run) \
+  $(if $(filter 1 true yes,$(WAIT)),--wait)
 
 ##@ General
 
@@ -71,7 +83,8 @@ undeploy: ## helm uninstall the release (the SSH key Secret is kept for a later 
 
 .PHONY: demo
 demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.
-	python scripts/deployctl.py --env dev $(if $(PROJECT),--project $(PROJECT)) demo
+	$(check-project)
+	python scripts/deployctl.py --env dev $(if $(PROJECT),--project "$$PROJECT") demo
 
 ##@ Development
 

@@ -10,6 +10,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,12 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the train package: one ds_config check for both (train.dsconfig)
 
 from scripts.jinja_render import TemplateError, render  # noqa: E402
-from train import dsconfig  # noqa: E402
-from train.config import ConfigError, ModelConfig, from_mapping  # noqa: E402
+from train import dsconfig, yamlfile  # noqa: E402
+from train.config import ConfigError, ModelConfig, TrainConfig, from_mapping  # noqa: E402
 
 VALUES, TEMPLATES, BUILD = ROOT / "values", ROOT / "templates", ROOT / "build"
 CHART = ROOT / "charts" / "deepspeed-training"
 SETTINGS_SCHEMA = Path(__file__).with_name("settings.schema.json")
+CHART_DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 
 
 class DeployError(Exception):
@@ -40,16 +42,9 @@ class DeployError(Exception):
 
 def load_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        raise DeployError(f"{path.relative_to(ROOT)}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: "
-                          f"{err.problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise DeployError(f"{path.relative_to(ROOT)}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
+        return yamlfile.load_mapping(path, str(path.relative_to(ROOT)))
+    except yamlfile.YamlFileError as err:
+        raise DeployError(str(err)) from None
 
 
 def layer_files(env: str, project: str | None) -> list[Path]:
@@ -69,8 +64,9 @@ def layer_files(env: str, project: str | None) -> list[Path]:
 
 
 def merge(into: dict, layer: dict, origin: dict, source: str, path: tuple = ()) -> None:
-    """Deep-merges `layer` into `into` (maps merge, everything else replaces) and records in `origin`
-    which file set each key path, so errors can name it."""
+    """Deep-merges `layer` into `into` as Helm merges -f files: maps merge, everything else replaces, and
+    null removes what earlier layers set (it stays in `into` as None, so Helm drops the chart's default too;
+    without_nulls() gives the effective values). `origin` records which file set each key path."""
     for key, value in layer.items():
         here = (*path, key)
         if isinstance(value, dict) and isinstance(into.get(key), dict):
@@ -78,6 +74,13 @@ def merge(into: dict, layer: dict, origin: dict, source: str, path: tuple = ()) 
         else:
             into[key] = copy.deepcopy(value)
             origin[here] = source
+
+
+def without_nulls(values):
+    """`values` with the keys a layer set to null removed (what Helm's coalescing leaves)."""
+    if isinstance(values, dict):
+        return {k: without_nulls(v) for k, v in values.items() if v is not None}
+    return values
 
 
 def source_of(origin: dict, path) -> str:
@@ -99,12 +102,14 @@ class Rendered:
     env: str
     project: str | None
     settings: dict
-    chart: dict
+    chart: dict  # the chart values we render (nulls kept: Helm drops the defaults they name)
+    effective: dict  # chart defaults merged with ours, as Helm sees them
     ds_config: dict
-    batch: tuple[int, int, int]
+    batch: tuple[int | None, int | None, int | None]  # None: "auto", filled by the program
     world_size: int
     out: Path
     sources: list[str]
+    runs_train_package: bool
 
 
 def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what: str) -> None:
@@ -121,22 +126,67 @@ def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what
         raise DeployError(f"{what}:\n  " + "\n  ".join(lines))
 
 
-def build(env: str, project: str | None) -> Rendered:
+PLATFORM_ONLY = {("deploy", "kubeContexts"): "the kube contexts an environment may deploy to"}
+
+
+def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
+    """(merged settings, origin of each key path, layer files). Project layers may not set the keys that
+    only the platform's files (base and environment) decide."""
     files = layer_files(env, project)
     settings, origin = {}, {}
     for path in files:
-        merge(settings, load_yaml(path), origin, str(path.relative_to(ROOT)))
-    sources = [str(p.relative_to(ROOT)) for p in files]
-    check_schema(settings, json.loads(SETTINGS_SCHEMA.read_text()), origin, (), "values do not match "
-                 "scripts/settings.schema.json")
+        layer = load_yaml(path)
+        name = str(path.relative_to(ROOT))
+        if path.parent != VALUES:
+            for (section, key), what in PLATFORM_ONLY.items():
+                if isinstance(layer.get(section), dict) and key in layer[section]:
+                    raise DeployError(f"{name}: {section}.{key}: {what} are set by values/{env}.yaml only, "
+                                      "never by a project")
+        merge(settings, layer, origin, name)
+    return settings, origin, [str(p.relative_to(ROOT)) for p in files]
 
-    ds, chart = settings["deepspeed"], settings["chart"]
-    effective = yaml.safe_load((CHART / "values.yaml").read_text())  # Helm checks its defaults merged with ours
+
+def release_of(settings: dict, project: str | None) -> str:
+    return settings["deploy"].get("release") or project or "deepspeed-training"
+
+
+def check_release_is_unique(settings: dict, origin: dict, env: str, project: str | None) -> None:
+    """Two projects with one release name would replace each other's running job."""
+    if not project:
+        return
+    mine = release_of(settings, project)
+    for other in sorted(p.name for p in (VALUES / "projects").iterdir() if p.is_dir() and p.name != project):
+        other_settings = without_nulls(load_layers(env, other)[0])
+        if release_of(other_settings, other) == mine:
+            raise DeployError(f"{source_of(origin, ('deploy', 'release'))}: deploy.release {mine!r} is also the "
+                              f"release of values/projects/{other}/: releases must be unique (leave deploy.release "
+                              "empty to use the project's directory name)")
+
+
+def check_chart_values(chart: dict, origin: dict) -> dict:
+    """The chart's values.schema.json against the chart defaults merged with ours, as Helm checks them;
+    returns those effective values."""
+    effective = yaml.safe_load((CHART / "values.yaml").read_text())
     merge(effective, chart, {}, "")
+    effective = without_nulls(effective)
     check_schema(effective, json.loads((CHART / "values.schema.json").read_text()), origin, ("chart",),
                  "chart values do not match charts/deepspeed-training/values.schema.json")
+    return effective
+
+
+def runs_train_package(effective: dict) -> bool:
+    """Whether the pods run this repository's `train` package (its config and model are ours to check)."""
+    train = effective["train"]
+    return not train["script"] and train["module"] == CHART_DEFAULTS["train"]["module"] and \
+        train["argsConvention"] == "train"
+
+
+def render_ds_config(settings: dict, origin: dict, world_size: int, steps: int, fills_auto: bool
+                     ) -> tuple[dict, tuple]:
+    """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked."""
+    ds = settings["deepspeed"]
+    chart = settings["chart"]
     workers, gpus = chart["worker"]["replicas"], chart["worker"]["gpusPerWorker"]
-    world_size = workers * gpus
     micro = ds["microBatch"]
     if ds.get("globalBatch"):
         accum, rest = divmod(ds["globalBatch"], micro * world_size)
@@ -147,10 +197,9 @@ def build(env: str, project: str | None) -> Rendered:
                 f"({workers} workers x {gpus} GPUs)")
     else:
         accum = ds["gradientAccumulation"]
-    train_config = chart.get("train", {}).get("config", {})
     variables = {"micro_batch": micro, "gradient_accumulation": accum, "global_batch": micro * accum * world_size,
                  "lr": ds["lr"], "weight_decay": ds["weightDecay"], "warmup_steps": ds["warmupSteps"],
-                 "gradient_clipping": ds["gradientClipping"], "steps": train_config.get("steps", 100)}
+                 "gradient_clipping": ds["gradientClipping"], "steps": steps}
     template = f"ds_config/{ds['preset']}.json.j2"
     preset_source = f"{source_of(origin, ('deepspeed', 'preset'))}: deepspeed.preset {ds['preset']!r}"
     try:
@@ -159,33 +208,55 @@ def build(env: str, project: str | None) -> Rendered:
         raise DeployError(f"{preset_source}: {err}") from None
     except json.JSONDecodeError as err:
         raise DeployError(f"{preset_source}: templates/{template} did not render JSON: {err}") from None
-    merge(ds_config, ds.get("overrides") or {}, {}, "")
-    ds_source = f"templates/{template}" + (" + deepspeed.overrides" if ds.get("overrides") else "")
+    overrides = ds.get("overrides") or {}
+    merge(ds_config, overrides, {}, "")
+    ds_config = without_nulls(ds_config)
+    override_files = sorted({src for path, src in origin.items() if path[:2] == ("deepspeed", "overrides")})
+    ds_source = f"templates/{template}" + (
+        f" + deepspeed.overrides from {', '.join(override_files)}" if overrides else "")
     try:
-        batch = dsconfig.validate(ds_config, world_size, ds_source)
+        batch = dsconfig.validate(ds_config, world_size, ds_source, fills_auto=fills_auto)
     except dsconfig.DsConfigError as err:
         raise DeployError(str(err)) from None
+    return ds_config, batch
 
-    chart = copy.deepcopy(chart)
+
+def build(env: str, project: str | None) -> Rendered:
+    merged, origin, sources = load_layers(env, project)
+    settings = without_nulls(merged)
+    check_schema(settings, json.loads(SETTINGS_SCHEMA.read_text()), origin, (), "values do not match "
+                 "scripts/settings.schema.json")
+    check_release_is_unique(settings, origin, env, project)
+    effective = check_chart_values(merged["chart"], origin)
+    world_size = effective["worker"]["replicas"] * effective["worker"]["gpusPerWorker"]
+    train_config = effective["train"]["config"]
+    ours = runs_train_package(effective)
+    if ours:
+        try:  # the train package's own config check, as the pods will run it
+            steps = from_mapping({**train_config, "ds_config": "ds_config.json"},
+                                 f"{source_of(origin, ('chart', 'train'))}: chart.train.config").steps
+        except ConfigError as err:
+            raise DeployError(str(err)) from None
+    else:
+        steps = train_config.get("steps", TrainConfig.steps)
+    ds_config, batch = render_ds_config(settings, origin, world_size, steps, effective["train"]["fillsDsConfigAuto"])
+    chart = copy.deepcopy(merged["chart"])
     chart.setdefault("deepspeed", {})["config"] = ds_config
-    try:  # the train package's own config check, as the pods will run it
-        from_mapping({**train_config, "ds_config": "ds_config.json"}, f"{source_of(origin, ('chart', 'train'))}: "
-                     "chart.train.config")
-    except ConfigError as err:
-        raise DeployError(str(err)) from None
-
     out = BUILD / (project or "base") / env
-    return Rendered(env, project, settings, chart, ds_config, batch, world_size, out, sources)
+    return Rendered(env, project, settings, chart, effective, ds_config, batch, world_size, out, sources, ours)
 
 
 def write(r: Rendered) -> None:
+    """build/<project>/<env>/: values.yaml (JSON, which is YAML: Helm reads back exactly the types we checked,
+    where a YAML dump could turn the tag "0370e25" into a number or "y" into a boolean), ds_config.json and
+    train_config.json."""
     r.out.mkdir(parents=True, exist_ok=True)
     values = render(TEMPLATES, "values.yaml.j2", {
         "env": r.env, "project": r.project, "sources": r.sources, "chart": r.chart, "world_size": r.world_size,
-        "batch": r.batch, "preset": r.settings["deepspeed"]["preset"]})
+        "batch": [("auto" if n is None else n) for n in r.batch], "preset": r.settings["deepspeed"]["preset"]})
     (r.out / "values.yaml").write_text(values)
     (r.out / "ds_config.json").write_text(json.dumps(r.ds_config, indent=2) + "\n")
-    (r.out / "train_config.json").write_text(json.dumps(r.chart.get("train", {}).get("config", {}), indent=2) + "\n")
+    (r.out / "train_config.json").write_text(json.dumps(r.effective["train"]["config"], indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- plan
@@ -198,18 +269,19 @@ def memory_estimate(r: Rendered) -> tuple[int, int, int, str]:
 
     from train.model import build_model, count_parameters, largest_layer_parameters
 
-    model_values = r.chart.get("train", {}).get("config", {}).get("model", {})
+    model_values = r.effective["train"]["config"].get("model", {})
     with torch.device("meta"):  # shapes only: no memory, no time, even for billions of parameters
         model = build_model(ModelConfig(**model_values))
     params = count_parameters(model)
     zero = r.ds_config.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     offload = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    gpus, nodes = r.chart["worker"]["gpusPerWorker"], r.chart["worker"]["replicas"]
+    gpus, nodes = r.effective["worker"]["gpusPerWorker"], r.effective["worker"]["replicas"]
     if stage == 3:
         offload_params = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
-        cpu, gpu = estimate_zero3_model_states_mem_needs(params, largest_layer_parameters(model), gpus, nodes,
-                                                         cpu_offload=offload, cpu_offload_params=offload_params)
+        # DeepSpeed 0.19 returns (cpu, gpu, largest layer's memory)
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer_parameters(model), gpus, nodes,
+                                                            cpu_offload=offload, cpu_offload_params=offload_params)
         how = "ZeRO-3 estimator"
     elif stage in (1, 2):
         cpu, gpu = estimate_zero2_model_states_mem_needs(params, gpus, nodes, cpu_offload=offload)
@@ -237,41 +309,62 @@ def human(size: float) -> str:
     return f"{size / 1024 ** 3:.1f} GiB" if size >= 1024 ** 3 else f"{size / 1024 ** 2:.0f} MiB"
 
 
-def plan(r: Rendered, context: str | None) -> str:
-    micro, accum, total = r.batch
+RELAXATIONS_ANNOTATION = "deepspeed-training/security-relaxations"  # set by the chart's _validate.tpl
+
+
+def security_relaxations(manifests: str) -> list[str]:
+    """The relaxed security defaults the chart reports on the worker pods (empty for the defaults)."""
+    for doc in yaml.safe_load_all(manifests):
+        if doc and doc.get("kind") == "StatefulSet":
+            text = doc["spec"]["template"]["metadata"].get("annotations", {}).get(RELAXATIONS_ANNOTATION, "")
+            return [item for item in text.split("; ") if item]
+    return []
+
+
+def plan(r: Rendered, context: str | None, manifests: str) -> str:
+    batch = ["auto (filled by the program)" if n is None else n for n in r.batch]
     zero = r.ds_config.get("zero_optimization", {})
     precision = "bf16" if r.ds_config.get("bf16", {}).get("enabled") else (
         "fp16" if r.ds_config.get("fp16", {}).get("enabled") else "fp32")
-    worker = r.chart["worker"]
-    gpu_name = worker.get("gpuResourceName", "nvidia.com/gpu")
-    params, gpu_bytes, cpu_bytes, how = memory_estimate(r)
-    gib = 1024 ** 3
+    worker, train = r.effective["worker"], r.effective["train"]
+    gpu_name = worker["gpuResourceName"]
     offload = zero.get("offload_optimizer", {}).get("device", "none")
+    program = train["script"] or f"--module {train['module']}"
     lines = [
         f"plan: ENV={r.env} PROJECT={r.project or '-'} (layers: {', '.join(r.sources)})",
         f"  release     {release_name(r)} in namespace {r.settings['deploy']['namespace']}, kube context "
         f"{context or '(current)'}",
         f"  workers     {worker['replicas']} x {worker['gpusPerWorker']} {gpu_name or 'CPU ranks'} = world size "
         f"{r.world_size}",
-        f"  batch       micro {micro} x accumulation {accum} x world {r.world_size} = global {total}",
+        f"  batch       micro {batch[0]} x accumulation {batch[1]} x world {r.world_size} = global {batch[2]}",
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
-        f"  model       {params / 1e6:,.1f}M parameters",
-        f"  memory      model states ~{human(gpu_bytes)} per GPU, ~{human(cpu_bytes)} host per node "
-        f"({how}; activations come on top)",
+        f"  program     {program} ({train['argsConvention']} arguments"
+        + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),
     ]
-    limit = r.settings["deepspeed"]["gpuMemoryGiB"]
-    if gpu_name and gpu_bytes > limit * gib:
-        lines.append(f"  WARNING: model states need ~{gpu_bytes / gib:.1f} GiB per GPU but the GPUs have {limit} GiB "
-                     "(deepspeed.gpuMemoryGiB): use more GPUs, ZeRO-3 or offload (preset zero3-offload-bf16)")
-    lines.append(f"  rendered    {r.out.relative_to(ROOT)}/values.yaml, ds_config.json, train_config.json")
+    if r.runs_train_package:
+        params, gpu_bytes, cpu_bytes, how = memory_estimate(r)
+        lines += [f"  model       {params / 1e6:,.1f}M parameters",
+                  f"  memory      model states ~{human(gpu_bytes)} per GPU, ~{human(cpu_bytes)} host per node "
+                  f"({how}; activations come on top)"]
+        limit = r.settings["deepspeed"]["gpuMemoryGiB"]
+        if gpu_name and gpu_bytes > limit * 1024 ** 3:
+            lines.append(f"  WARNING: model states need ~{gpu_bytes / 1024 ** 3:.1f} GiB per GPU but the GPUs have "
+                         f"{limit} GiB (deepspeed.gpuMemoryGiB): use more GPUs, ZeRO-3 or offload (preset "
+                         "zero3-offload-bf16)")
+    else:
+        lines.append("  model       the program's own (no estimate)")
+    for relaxation in security_relaxations(manifests):
+        lines.append(f"  WARNING: security relaxed (allowSecurityRelaxations): {relaxation}")
+    lines.append(f"  rendered    {r.out.relative_to(ROOT)}/values.yaml, ds_config.json, train_config.json, "
+                 "manifests.yaml")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- helm
 
 def release_name(r: Rendered) -> str:
-    return r.settings["deploy"]["release"] or r.project or "deepspeed-training"
+    return release_of(r.settings, r.project)
 
 
 def helm() -> str:
@@ -302,8 +395,7 @@ def helm_template(r: Rendered) -> str:
     return proc.stdout
 
 
-def deploy(r: Rendered, context: str | None, dry_run: bool, wait: bool) -> int:
-    manifests = helm_template(r)
+def deploy(r: Rendered, context: str | None, dry_run: bool, wait: bool, manifests: str) -> int:
     cmd = [helm(), "upgrade", "--install", release_name(r), str(CHART), "-f", str(r.out / "values.yaml"),
            *helm_args(r, context), "--create-namespace"]
     if wait or r.settings["deploy"]["wait"]:
@@ -317,14 +409,25 @@ def deploy(r: Rendered, context: str | None, dry_run: bool, wait: bool) -> int:
     return run(cmd, dry_run)
 
 
-def demo(r: Rendered) -> int:
-    """The rendered ds_config and train arguments as a local DeepSpeed job: one rank per worker slot."""
+def demo(r: Rendered, manifests: str) -> int:
+    """The rendered program as a local DeepSpeed job, one rank per worker slot: the launcher Job's own command
+    (so the chart's program conventions apply), with its pod paths pointed at build/."""
     ckpt = BUILD / "demo" / "checkpoints"
-    cmd = ["deepspeed", "--num_gpus", str(r.world_size), "--module", r.chart.get("train", {}).get("module", "train"),
-           f"--ds-config={r.out / 'ds_config.json'}", f"--config={r.out / 'train_config.json'}",
-           f"--checkpoint-dir={ckpt}", *r.chart.get("train", {}).get("args", [])]
+    job = next(doc for doc in yaml.safe_load_all(manifests) if doc and doc["kind"] == "Job")
+    launcher = job["spec"]["template"]["spec"]["containers"][0]
+    runner = launcher["args"]
+    start = next(i for i, arg in enumerate(runner[1:], 1) if arg == "--module" or not arg.startswith("--"))
+    paths = {e["name"]: e["value"] for e in launcher["env"] if "value" in e}
+    local = {paths["DS_CONFIG_PATH"]: str(r.out / "ds_config.json"),
+             paths["DS_TRAIN_CONFIG_PATH"]: str(r.out / "train_config.json"), paths["DS_CHECKPOINT_DIR"]: str(ckpt)}
+    program = []
+    for arg in runner[start:]:
+        for pod_path, local_path in local.items():
+            arg = arg.replace(pod_path, local_path)
+        program.append(arg)
+    cmd = ["deepspeed", "--num_gpus", str(r.world_size), *program]
     env = dict(os.environ)
-    for item in r.chart.get("env", []):
+    for item in r.effective["env"]:
         if "value" in item:
             env[item["name"]] = item["value"]
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -338,12 +441,22 @@ def demo(r: Rendered) -> int:
     return code
 
 
+NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def name_arg(value: str) -> str:
+    """ENV and PROJECT name files under values/: plain lower-case names only (they may come from CI)."""
+    if not NAME.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a name of lower-case letters, digits and '-'")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deployctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["render", "plan", "template", "deploy", "diff", "undeploy", "demo"])
-    parser.add_argument("--env", required=True, help="values/<env>.yaml")
-    parser.add_argument("--project", default=None, help="values/projects/<project>/")
+    parser.add_argument("--env", required=True, type=name_arg, help="values/<env>.yaml")
+    parser.add_argument("--project", default=None, type=name_arg, help="values/projects/<project>/")
     parser.add_argument("--kube-context", default=None, help="must be one of deploy.kubeContexts when that is set")
     parser.add_argument("--dry-run", action="store_true", help="print the helm command and the objects; apply nothing")
     parser.add_argument("--wait", action="store_true", help="helm --wait")
@@ -354,19 +467,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "render":
             print(f"rendered {r.out.relative_to(ROOT)}/values.yaml, ds_config.json, train_config.json")
             return 0
+        manifests = helm_template(r)  # the chart's own checks, before any plan, demo or cluster command
         if args.command == "demo":
-            return demo(r)
+            return demo(r, manifests)
+        if args.command == "template":
+            sys.stdout.write(manifests)
+            return 0
         cluster_cmd = args.command in ("deploy", "diff", "undeploy")
         context = kube_context(r, args.kube_context, need_cluster=cluster_cmd and not args.dry_run)
+        print(plan(r, context, manifests), flush=True)
         if args.command == "plan":
-            print(plan(r, context))
             return 0
-        if args.command == "template":
-            sys.stdout.write(helm_template(r))
-            return 0
-        print(plan(r, context), flush=True)
         if args.command == "deploy":
-            return deploy(r, context, args.dry_run, args.wait)
+            return deploy(r, context, args.dry_run, args.wait, manifests)
         if args.command == "diff":
             plugins = subprocess.run([helm(), "plugin", "list"], capture_output=True, text=True).stdout
             if "diff" not in plugins.split():
@@ -376,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
         return run([helm(), "uninstall", release_name(r), *helm_args(r, context)], args.dry_run)
     except DeployError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # a bug of ours, but still one line and a refusal, never a half-applied deploy
+        print(f"error: deployctl {args.command} --env {args.env}: internal error {type(err).__name__}: {err} "
+              "(please report it)", file=sys.stderr)
         return 1
 
 

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import jinja2
-import yaml
 
 
 class TemplateError(ValueError):
@@ -22,7 +21,8 @@ def _environment(root: Path) -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["tojson"] = lambda value: json.dumps(value)
-    env.filters["to_yaml"] = lambda value: yaml.safe_dump(value, sort_keys=False, default_flow_style=False)
+    # JSON is YAML that every reader types alike: Helm (YAML 1.2) reads back what we checked (YAML 1.1).
+    env.filters["to_json"] = lambda value: json.dumps(value, indent=2, ensure_ascii=False)
     return env
 
 

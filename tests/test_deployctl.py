@@ -180,8 +180,8 @@ BAD = {
                                   ["--env", "dev"], "'micro_batchh' is undefined"),
     "unknown top-level ds_config key": (
         set_key("dev.yaml", "deepspeed", "overrides", {"trian_batch_size": 8}), ["--env", "dev"],
-        "ds_config templates/ds_config/cpu-fp32.json.j2 + deepspeed.overrides: unknown top-level key "
-        "'trian_batch_size' (did you mean 'train_batch_size'?)"),
+        "ds_config templates/ds_config/cpu-fp32.json.j2 + deepspeed.overrides from values/dev.yaml: unknown "
+        "top-level key 'trian_batch_size' (did you mean 'train_batch_size'?)"),
     "unknown key inside a ds_config section": (
         set_key("dev.yaml", "deepspeed", "overrides", {"zero_optimization": {"stgae": 3}}), ["--env", "dev"],
         "DeepSpeed rejects it: ValidationError: DeepSpeedZeroConfig.stgae: Extra inputs are not permitted"),

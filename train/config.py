@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from train import yamlfile
 
 
 class ConfigError(ValueError):
@@ -138,14 +138,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     source = "command line"
     if config_path:
         try:
-            loaded = yaml.safe_load(Path(config_path).read_text()) or {}
-        except OSError as err:
-            raise ConfigError(f"--config {config_path}: cannot read: {err.strerror}") from err
-        except yaml.YAMLError as err:
-            raise ConfigError(f"--config {config_path}: not valid YAML/JSON: {err}") from err
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {config_path}: expected a mapping at the top level")
-        values, source = loaded, config_path
+            values = yamlfile.load_mapping(Path(config_path), f"--config {config_path}")
+        except yamlfile.YamlFileError as err:
+            raise ConfigError(str(err)) from None
+        source = config_path
     for dest, value in args.items():
         if value is None:
             continue

@@ -44,7 +44,15 @@ class TokenFileData:
         path = Path(cfg.path)
         if not path.is_file():
             raise DataError(f"data.path {path}: no such file")
-        self.tokens = np.memmap(path, dtype=np.dtype(cfg.dtype), mode="r")
+        dtype = np.dtype(cfg.dtype)
+        size = path.stat().st_size
+        if size == 0 or size % dtype.itemsize:
+            raise DataError(f"data.path {path}: {size} bytes is not a whole number of data.dtype {cfg.dtype} tokens "
+                            f"({dtype.itemsize} bytes each; see `python -m train.tokenize`)")
+        try:
+            self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        except OSError as err:
+            raise DataError(f"data.path {path}: cannot read: {err.strerror}") from None
         self.seq_len, self.seed = model.seq_len, cfg.seed
         self.start, self.end = shard_bounds(len(self.tokens), rank, world_size)
         self.windows = (self.end - self.start - 1) // self.seq_len

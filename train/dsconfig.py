@@ -1,13 +1,20 @@
-"""Checks of a ds_config before DeepSpeed sees it, shared by the train package and scripts/deployctl.py.
+"""Checks of a ds_config before DeepSpeed sees it: the one module the glue (scripts/deployctl.py), every rank
+at start-up (train/main.py) and, for the rules a template can express, the chart (templates/_validate.tpl and
+values.schema.json) apply.
 
-DeepSpeed rejects unknown keys inside its sections but silently ignores unknown TOP-LEVEL keys, so a typo
-such as `trian_batch_size` or `optimzer` trains with defaults. `validate` refuses those, checks the batch
-arithmetic against the world size, then runs DeepSpeed's own parser. Every error names the source and key.
+DeepSpeed rejects unknown keys inside its sections, but silently ignores unknown TOP-LEVEL keys and `"auto"`,
+and many mistakes pass its parser only to crash every rank inside `deepspeed.initialize` (an optimizer name
+or parameter its constructor does not take, `steps_per_print: 0`, NVMe offload without a path, a monitor whose
+package is missing) or to end every rank with exit 0 (the comms logger on object collectives). `validate`
+refuses all of these before anything starts, each error naming the source and the key.
 """
 
 import copy
 import difflib
+import importlib.util
+import inspect
 import json
+import math
 from pathlib import Path
 
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the section configs it builds).
@@ -32,27 +39,92 @@ class DsConfigError(ValueError):
     """A ds_config problem; the message names the file and key."""
 
 
+AUTO = "auto"  # Hugging Face Trainer and Accelerate fill these in; DeepSpeed alone drops them silently.
+
+# Sections DeepSpeed reads as objects: a scalar there crashes its parser with a TypeError.
+OBJECT_SECTIONS = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
+    "comms_logger", "compile", "compression_training", "csv_monitor", "curriculum_learning", "data_efficiency",
+    "data_types", "eigenvalue", "elasticity", "flops_profiler", "fp16", "hybrid_engine", "nebula", "optimizer",
+    "pipeline", "progressive_layer_drop", "quantize_training", "scheduler", "sparse_attention", "tensor_parallel",
+    "tensorboard", "timers", "torch_autocast", "wandb", "weight_quantization", "zero_optimization",
+})
+
+# Monitor sections and the package each needs in the image when enabled (deepspeed/monitor/*.py).
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
 def load(path: str | Path) -> dict:
+    """The ds_config file as DeepSpeed's loader reads it, but stricter: duplicate keys (DeepSpeed refuses
+    them; json.loads keeps the last), NaN/Infinity and non-UTF-8 bytes are errors naming the file."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as err:
         raise DsConfigError(f"ds_config {path}: cannot read: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise DsConfigError(f"ds_config {path}: not UTF-8 text (byte {err.start}): expected a JSON file") from None
+
+    def no_duplicates(pairs):
+        keys = [key for key, _ in pairs]
+        for key in keys:
+            if keys.count(key) > 1:
+                raise DsConfigError(f"ds_config {path}: key {key!r} appears twice in one object")
+        return dict(pairs)
+
+    def no_constant(name):
+        raise DsConfigError(f"ds_config {path}: {name} is not a JSON number; use a finite number")
+
     try:
-        config = json.loads(text)
+        config = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
     except json.JSONDecodeError as err:
         raise DsConfigError(f"ds_config {path}: not valid JSON: {err}") from None
+    except RecursionError:
+        raise DsConfigError(f"ds_config {path}: nested too deeply") from None
     if not isinstance(config, dict):
         raise DsConfigError(f"ds_config {path}: expected a JSON object at the top level")
     return config
 
 
-def batch_sizes(config: dict, world_size: int, source: str) -> tuple[int, int, int]:
-    """(micro batch per GPU, gradient accumulation, global batch), completed as DeepSpeed does."""
+def auto_keys(config, path: str = "") -> list[str]:
+    """Dotted paths of the `"auto"` values in `config`."""
+    if isinstance(config, dict):
+        return [key for k, v in config.items() for key in auto_keys(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(config, list):
+        return [key for i, v in enumerate(config) for key in auto_keys(v, f"{path}[{i}]")]
+    return [path] if config == AUTO else []
+
+
+def _check_numbers(config, source: str, path: str = "") -> None:
+    if isinstance(config, dict):
+        for key, value in config.items():
+            _check_numbers(value, source, f"{path}.{key}" if path else str(key))
+    elif isinstance(config, list):
+        for i, value in enumerate(config):
+            _check_numbers(value, source, f"{path}[{i}]")
+    elif isinstance(config, float) and not math.isfinite(config):
+        raise DsConfigError(f"ds_config {source}: {path} is {config}; use a finite number")
+
+
+def batch_sizes(config: dict, world_size: int, source: str) -> tuple[int | None, int | None, int | None]:
+    """(micro batch per GPU, gradient accumulation, global batch), completed as DeepSpeed does. A value the
+    program fills in (`"auto"`) stays None, and only the arithmetic between given numbers is checked."""
     names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-    micro, accum, total = (config.get(name) for name in names)
-    for name, value in zip(names, (micro, accum, total), strict=True):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    values = [config.get(name) for name in names]
+    for name, value in zip(names, values, strict=True):
+        if value is not None and value != AUTO and (not isinstance(value, int) or isinstance(value, bool)
+                                                     or value < 1):
             raise DsConfigError(f"ds_config {source}: {name} must be an integer >= 1, got {value!r}")
+    if AUTO in values:
+        micro, accum, total = (None if v == AUTO else v for v in values)
+        if None not in (micro, accum, total) or total is None or (micro is None and accum is None):
+            return micro, accum, total  # nothing to check, or checked below with all three
+        known = micro if micro is not None else accum
+        if total % (known * world_size):
+            raise DsConfigError(
+                f"ds_config {source}: train_batch_size {total} is not divisible by "
+                f"{names[0] if micro is not None else names[1]} {known} x world size {world_size}")
+        return micro, accum, total
+    micro, accum, total = values
     if total is None and micro is None:
         raise DsConfigError(f"ds_config {source}: set train_micro_batch_size_per_gpu or train_batch_size")
     accum_given = accum is not None
@@ -79,8 +151,10 @@ def batch_sizes(config: dict, world_size: int, source: str) -> tuple[int, int, i
     return micro, accum, total
 
 
-def validate(config: dict, world_size: int, source: str) -> tuple[int, int, int]:
-    """Checks `config` for `world_size` ranks; returns batch_sizes(). Raises DsConfigError."""
+def validate(config: dict, world_size: int, source: str, *, fills_auto: bool = False
+             ) -> tuple[int | None, int | None, int | None]:
+    """Checks `config` for `world_size` ranks; returns batch_sizes(). `fills_auto`: the program fills the
+    `"auto"` values (Hugging Face Trainer, Accelerate); otherwise they are refused. Raises DsConfigError."""
     unknown = sorted(set(config) - TOP_LEVEL_KEYS)
     if unknown:
         hints = []
@@ -89,20 +163,228 @@ def validate(config: dict, world_size: int, source: str) -> tuple[int, int, int]
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise DsConfigError(
             f"ds_config {source}: unknown top-level key {', '.join(hints)}; DeepSpeed would silently ignore it")
+    _check_numbers(config, source)
+    autos = auto_keys(config)
+    if autos and not fills_auto:
+        raise DsConfigError(
+            f"ds_config {source}: {', '.join(autos)} is \"auto\", which only programs such as the Hugging Face "
+            "Trainer fill in (DeepSpeed drops it silently): give a value, or declare that the program fills it "
+            "(chart value train.fillsDsConfigAuto)")
+    for key in sorted(OBJECT_SECTIONS & set(config)):
+        if not isinstance(config[key], dict):
+            raise DsConfigError(f"ds_config {source}: {key} must be an object, got {config[key]!r}")
     sizes = batch_sizes(config, world_size, source)
+    _check_runtime_settings(config, source)
+    _check_optimizer(config, source)
+    _check_scheduler(config, source)
     _deepspeed_parse(config, sizes, source)
     return sizes
 
 
-def _deepspeed_parse(config: dict, sizes: tuple[int, int, int], source: str) -> None:
+def _check_runtime_settings(config: dict, source: str) -> None:
+    """Settings DeepSpeed's parser accepts that then fail or misbehave on every rank."""
+    steps_per_print = config.get("steps_per_print")
+    if steps_per_print is not None and (not isinstance(steps_per_print, int) or isinstance(steps_per_print, bool)
+                                        or steps_per_print < 1):
+        raise DsConfigError(f"ds_config {source}: steps_per_print must be an integer >= 1 (DeepSpeed takes the step "
+                            f"modulo it), got {steps_per_print!r}")
+    if "comms_logger" in config:  # any comms_logger section turns it on, even {"enabled": false}
+        raise DsConfigError(
+            f"ds_config {source}: comms_logger: DeepSpeed's comms logger ends every rank with exit(0) at the first "
+            "object collective (all_gather_object), so a run would report success without finishing, and any "
+            "comms_logger section turns it on (even enabled: false); remove the section (use flops_profiler or "
+            "wall_clock_breakdown to profile)")
+    zero = config.get("zero_optimization", {})
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section) if isinstance(zero, dict) else None
+        if isinstance(offload, dict) and offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            raise DsConfigError(f"ds_config {source}: zero_optimization.{section}.device is nvme but "
+                                f"zero_optimization.{section}.nvme_path is not set: give the NVMe mount's path")
+    for section, package in MONITOR_PACKAGES.items():
+        if config.get(section, {}).get("enabled") and importlib.util.find_spec(package) is None:
+            raise DsConfigError(f"ds_config {source}: {section}.enabled needs the Python package {package!r}, "
+                                "which this environment lacks: use an image that has it (make image-hf) or "
+                                "turn the section off (csv_monitor needs nothing)")
+
+
+def _bind(params: dict, target, owner: str, key_path: str, source: str, *, passed=(), required=True) -> None:
+    """Checks `params` against `target`'s constructor: every key is a parameter it takes (`passed` are set
+    by DeepSpeed itself), required ones are present, and numbers, flags and tuples have their default's type."""
+    signature = inspect.signature(target)
+    taken = [p for p in list(signature.parameters.values())[1:]  # the params/optimizer argument
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in passed]
+    if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+        return  # takes anything
+    by_name = {p.name: p for p in taken}
+    for key, value in params.items():
+        if key not in by_name:
+            close = difflib.get_close_matches(key, by_name, n=1)
+            raise DsConfigError(
+                f"ds_config {source}: {key_path}.{key}: {owner} takes no parameter {key!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "") + f"; it takes {', '.join(by_name)}")
+        if value == AUTO:
+            continue
+        default = by_name[key].default
+        kind = type(default) if default is not inspect.Parameter.empty and default is not None else None
+        ok = True
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind in (int, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is tuple:
+            ok = (isinstance(value, list) and len(value) == len(default)
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+        elif kind is str:
+            ok = isinstance(value, str)
+        if not ok:
+            expected = {bool: "true or false", int: "a number", float: "a number", str: "a string",
+                        tuple: f"a list of {len(default) if kind is tuple else 0} numbers"}[kind]
+            raise DsConfigError(f"ds_config {source}: {key_path}.{key} must be {expected} ({owner}), got {value!r}")
+    if required:
+        missing = [p.name for p in taken if p.default is inspect.Parameter.empty and p.name not in params]
+        if missing:
+            raise DsConfigError(f"ds_config {source}: {key_path} needs {', '.join(missing)} ({owner})")
+
+
+def _optimizer_target(name: str, params: dict, config: dict):
+    """(constructor, parameters DeepSpeed pops or passes itself) for optimizer `name`, as
+    DeepSpeedEngine._configure_basic_optimizer picks it, or None for a name it does not know."""
+    import torch
+    from deepspeed.runtime import config as ds
+
+    zero = config.get("zero_optimization", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device") if isinstance(zero, dict) else None
+    cpu_optimizer = offload in ("cpu", "nvme")
+    lower = name.lower()
+    if lower in (ds.ADAM_OPTIMIZER, ds.ADAMW_OPTIMIZER):
+        popped = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
+        if params.get("torch_adam"):
+            return torch.optim.AdamW, (*popped, "foreach")
+        if cpu_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            return DeepSpeedCPUAdam, (*popped, "adamw_mode")
+        from deepspeed.ops.adam import FusedAdam
+        return FusedAdam, popped
+    if lower == ds.ADAGRAD_OPTIMIZER:
+        if cpu_optimizer:
+            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+            return DeepSpeedCPUAdagrad, ()
+        return torch.optim.Adagrad, ()
+    if lower == ds.LAMB_OPTIMIZER:
+        from deepspeed.ops.lamb import FusedLamb
+        return FusedLamb, ()
+    if lower == ds.LION_OPTIMIZER:
+        if cpu_optimizer:
+            from deepspeed.ops.lion import DeepSpeedCPULion
+            return DeepSpeedCPULion, ()
+        from deepspeed.ops.lion import FusedLion
+        return FusedLion, ()
+    if lower in (ds.MUADAM_OPTIMIZER, ds.MUADAMW_OPTIMIZER, ds.MUSGD_OPTIMIZER, ds.MUON_OPTIMIZER):
+        return "unchecked", ()  # mup's and Muon's parameter groups: DeepSpeed's own checks apply
+    target = getattr(torch.optim, name, None)
+    if isinstance(target, type) and issubclass(target, torch.optim.Optimizer):
+        return target, ()
+    return None, ()
+
+
+def _check_optimizer(config: dict, source: str) -> None:
+    optimizer = config.get("optimizer")
+    if optimizer is None:
+        return
+    name, params = optimizer.get("type"), optimizer.get("params", {})
+    if not isinstance(name, str) or not name:
+        raise DsConfigError(f"ds_config {source}: optimizer.type must be an optimizer name, got {name!r}")
+    if not isinstance(params, dict):
+        raise DsConfigError(f"ds_config {source}: optimizer.params must be an object, got {params!r}")
+    if "max_grad_norm" in params:
+        raise DsConfigError(f"ds_config {source}: optimizer.params.max_grad_norm: DeepSpeed refuses it; use the "
+                            "top-level gradient_clipping")
+    target, passed = _optimizer_target(name, params, config)
+    if target is None:
+        import torch
+        from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+        known = sorted(DEEPSPEED_OPTIMIZERS) + sorted(n for n, c in vars(torch.optim).items() if isinstance(c, type)
+                                                        and issubclass(c, torch.optim.Optimizer)
+                                                        and c is not torch.optim.Optimizer)
+        close = difflib.get_close_matches(name, known, n=1) or difflib.get_close_matches(name.lower(), known, n=1)
+        raise DsConfigError(f"ds_config {source}: optimizer.type {name!r} is neither a DeepSpeed optimizer nor a "
+                            f"torch.optim class" + (f" (did you mean {close[0]!r}?)" if close else "")
+                            + f"; known: {', '.join(known)}")
+    if target == "unchecked":
+        if importlib.util.find_spec("mup") is None and name.lower().startswith("mu") and name.lower() != "muon":
+            raise DsConfigError(f"ds_config {source}: optimizer.type {name!r} needs the Python package 'mup', "
+                                "which this environment lacks")
+        return
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(stage, int) and stage > 0 and not config.get("zero_allow_untested_optimizer"):
+        from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+        if target not in ZERO_SUPPORTED_OPTIMIZERS:
+            raise DsConfigError(f"ds_config {source}: optimizer.type {name!r} ({target.__name__}) is not one DeepSpeed "
+                                f"tests with ZeRO stage {stage}: set zero_allow_untested_optimizer: true to use it")
+    if name.lower() == "lamb" and config.get("fp16", {}).get("loss_scale", 0) != 0:
+        raise DsConfigError(f"ds_config {source}: optimizer lamb needs dynamic loss scaling: fp16.loss_scale 0")
+    if params.get("amsgrad") is True and target.__module__.startswith("deepspeed."):
+        raise DsConfigError(f"ds_config {source}: optimizer.params.amsgrad: {target.__name__} does not support it")
+    for flag in ("torch_adam", "adam_w_mode", "fp32_optimizer_states"):
+        if flag in params and params[flag] != AUTO and not isinstance(params[flag], bool):
+            raise DsConfigError(f"ds_config {source}: optimizer.params.{flag} must be true or false, "
+                                f"got {params[flag]!r}")
+    _bind({k: v for k, v in params.items() if k not in passed}, target, f"optimizer {name} -> "
+          f"{target.__module__}.{target.__name__}", "optimizer.params", source, passed=passed, required=False)
+
+
+def _check_scheduler(config: dict, source: str) -> None:
+    scheduler = config.get("scheduler")
+    if scheduler is None:
+        return
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    name, params = scheduler.get("type"), scheduler.get("params", {})
+    if not isinstance(params, dict):
+        raise DsConfigError(f"ds_config {source}: scheduler.params must be an object, got {params!r}")
+    torch_schedulers = sorted(n for n, c in vars(torch.optim.lr_scheduler).items() if isinstance(c, type)
+                              and issubclass(c, torch.optim.lr_scheduler.LRScheduler) and not n.startswith("_")
+                              and c is not torch.optim.lr_scheduler.LRScheduler)
+    if name in lr_schedules.VALID_LR_SCHEDULES:
+        target = getattr(lr_schedules, name)
+    elif name in torch_schedulers:
+        target = getattr(torch.optim.lr_scheduler, name)
+    else:
+        known = list(lr_schedules.VALID_LR_SCHEDULES) + torch_schedulers
+        close = difflib.get_close_matches(str(name), known, n=1)
+        raise DsConfigError(f"ds_config {source}: scheduler.type {name!r} is neither a DeepSpeed nor a torch "
+                            "scheduler" + (f" (did you mean {close[0]!r}?)" if close else "")
+                            + f"; known: {', '.join(known)}")
+    if "params" not in scheduler:
+        raise DsConfigError(f"ds_config {source}: scheduler.params is missing; DeepSpeed calls the scheduler with it "
+                            "(use {} for the defaults)")
+    _bind(params, target, f"scheduler {name}", "scheduler.params", source)
+    if not auto_keys(params):  # the constructor's own checks (warmup_num_steps > 0, ...), on a stand-in optimizer
+        import logging
+
+        import torch
+        quiet = logging.getLogger("DeepSpeed")
+        level, quiet.level = quiet.level, logging.ERROR  # its schedulers warn when asked for an lr before a step
+        try:
+            target(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), **params)
+        except Exception as err:
+            raise DsConfigError(f"ds_config {source}: scheduler {name} refuses scheduler.params: "
+                                f"{type(err).__name__}: {' '.join(str(err).split())}") from None
+        finally:
+            quiet.level = level
+
+
+def _deepspeed_parse(config: dict, sizes: tuple, source: str) -> None:
     """DeepSpeed's own parser (it validates every section). Outside a process group it assumes world size
     1, so it gets the micro batch and accumulation and derives the global batch itself; the arithmetic for
-    the real world size is batch_sizes()'s."""
+    the real world size is batch_sizes()'s. Keys the program fills in ("auto") are left out."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    trial = copy.deepcopy(config)
+    trial = _without_auto(copy.deepcopy(config))
     trial.pop("train_batch_size", None)
-    trial["train_micro_batch_size_per_gpu"], trial["gradient_accumulation_steps"] = sizes[0], sizes[1]
+    trial["train_micro_batch_size_per_gpu"], trial["gradient_accumulation_steps"] = sizes[0] or 1, sizes[1] or 1
     try:
         DeepSpeedConfig(trial)
     except Exception as err:  # DeepSpeed raises pydantic's ValidationError, AssertionError, ValueError...
@@ -111,3 +393,11 @@ def _deepspeed_parse(config: dict, sizes: tuple[int, int, int], source: str) -> 
         else:
             detail = " ".join(str(err).split())
         raise DsConfigError(f"ds_config {source}: DeepSpeed rejects it: {type(err).__name__}: {detail}") from None
+
+
+def _without_auto(config):
+    if isinstance(config, dict):
+        return {k: _without_auto(v) for k, v in config.items() if v != AUTO}
+    if isinstance(config, list):
+        return [_without_auto(v) for v in config if v != AUTO]
+    return config

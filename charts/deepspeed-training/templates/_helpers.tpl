@@ -26,15 +26,15 @@ keeps StatefulSet names to 52 (its pods get a controller-revision-hash label of 
 
 {{/* Common labels; chart and version never go into selectors. */}}
 {{- define "deepspeed-training.labels" -}}
-helm.sh/chart: {{ include "deepspeed-training.chart" . }}
+helm.sh/chart: {{ include "deepspeed-training.chart" . | quote }}
 {{ include "deepspeed-training.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
 {{- end }}
 
 {{- define "deepspeed-training.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "deepspeed-training.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "deepspeed-training.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{- define "deepspeed-training.serviceAccountName" -}}
@@ -77,16 +77,27 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "deepspeed-training.keysDir" -}}/etc/deepspeed/ssh-keys{{- end }}
 
 {{/*
-Rank env with plain values. DeepSpeed's pdsh runner pastes each one into the remote shell as
-`export NAME="VALUE";`, so characters that shell would interpret are refused here, at render time.
+"May this reach a remote shell?": the one rule. DeepSpeed's pdsh runner pastes plain env values into
+`export NAME="VALUE";` ("quoted": nothing a double-quoted string would interpret) and the program, its
+arguments, the runner flags and host names bare into the shell every worker runs ("bare": a short safe
+character set, no quoting needed). Fails naming `.key`; renders nothing.
 */}}
-{{- define "deepspeed-training.deepspeedEnv" -}}
-{{- range $i, $e := .Values.env }}
-{{- if hasKey $e "value" }}
-{{- if regexMatch "[$`\"\\\\\n\r]" $e.value }}
-{{- fail (printf "env[%d] (%s): value %q contains a character the remote shell would interpret ($ ` \" \\ or a newline); DeepSpeed pastes it into `export %s=\"...\"` on every worker. Use valueFrom (a Secret or ConfigMap) for such values." $i $e.name $e.value $e.name) }}
+{{- define "deepspeed-training.shellSafe" -}}
+{{- $value := toString .value }}
+{{- if eq .context "quoted" }}
+{{- if regexMatch "[$`\"\\\\[:cntrl:]]" $value }}
+{{- fail (printf "%s: %q contains a character the remote shell would interpret ($ ` \" \\ or a control character such as a newline); DeepSpeed pastes it into `export NAME=\"...\"` on every worker. Use valueFrom (a Secret or ConfigMap) for such values." .key $value) }}
 {{- end }}
-{{ $e.name }}={{ $e.value }}
+{{- else if not (regexMatch "^[A-Za-z0-9_@%+=:,./-]*$" $value) }}
+{{- fail (printf "%s: %q may only contain letters, digits and _@%%+=:,./- ; DeepSpeed's pdsh runner pastes it unquoted into a remote shell on every worker" .key $value) }}
+{{- end }}
+{{- end }}
+
+{{/* Rank env with plain values, for `.deepspeed_env` (checked by the validate helper). */}}
+{{- define "deepspeed-training.deepspeedEnv" -}}
+{{- range .Values.env }}
+{{- if hasKey . "value" }}
+{{ .name }}={{ .value }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -106,14 +117,14 @@ left out (`helm template` generates new keys each time); rotating ssh.existingSe
 {{- with .root.Values.image.pullSecrets }}
 imagePullSecrets:
 {{- range . }}
-  - name: {{ . }}
+  - name: {{ . | quote }}
 {{- end }}
 {{- end }}
 {{- with (.root.Values.scheduling.schedulerName | default (ternary "volcano" "" .root.Values.scheduling.volcano.enabled)) }}
-schedulerName: {{ . }}
+schedulerName: {{ . | quote }}
 {{- end }}
 {{- with ($values.priorityClassName | default $global.priorityClassName) }}
-priorityClassName: {{ . }}
+priorityClassName: {{ . | quote }}
 {{- end }}
 {{- with ($values.nodeSelector | default $global.nodeSelector) }}
 nodeSelector:
@@ -136,12 +147,12 @@ securityContext:
 {{/* Labels and annotations that put a pod into the gang-scheduling group, when one is on. */}}
 {{- define "deepspeed-training.gangLabels" -}}
 {{- with .Values.scheduling.kueueQueueName }}
-kueue.x-k8s.io/queue-name: {{ . }}
+kueue.x-k8s.io/queue-name: {{ . | quote }}
 {{- end }}
 {{- end }}
 {{- define "deepspeed-training.gangAnnotations" -}}
 {{- if .Values.scheduling.volcano.enabled }}
-scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . }}
+scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . | quote }}
 {{- end }}
 {{- end }}
 
@@ -149,14 +160,14 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . }}
 {{- define "deepspeed-training.commonVolumes" -}}
 - name: config
   configMap:
-    name: {{ include "deepspeed-training.fullname" . }}-config
+    name: {{ printf "%s-config" (include "deepspeed-training.fullname" .) | quote }}
 - name: scripts
   configMap:
-    name: {{ include "deepspeed-training.fullname" . }}-scripts
+    name: {{ printf "%s-scripts" (include "deepspeed-training.fullname" .) | quote }}
     defaultMode: 0555
 - name: ssh-keys
   secret:
-    secretName: {{ include "deepspeed-training.sshSecretName" . }}
+    secretName: {{ include "deepspeed-training.sshSecretName" . | quote }}
     defaultMode: 0440
 - name: home
   emptyDir: {}
@@ -166,16 +177,16 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . }}
 
 {{- define "deepspeed-training.commonVolumeMounts" -}}
 - name: config
-  mountPath: {{ include "deepspeed-training.configDir" . }}
+  mountPath: {{ include "deepspeed-training.configDir" . | quote }}
   readOnly: true
 - name: scripts
-  mountPath: {{ include "deepspeed-training.scriptsDir" . }}
+  mountPath: {{ include "deepspeed-training.scriptsDir" . | quote }}
   readOnly: true
 - name: ssh-keys
-  mountPath: {{ include "deepspeed-training.keysDir" . }}
+  mountPath: {{ include "deepspeed-training.keysDir" . | quote }}
   readOnly: true
 - name: home
-  mountPath: {{ .Values.image.homeDir }}
+  mountPath: {{ .Values.image.homeDir | quote }}
 - name: tmp
   mountPath: /tmp
 {{- end }}
@@ -192,4 +203,54 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . }}
   value: {{ include "deepspeed-training.workerDomain" . | quote }}
 - name: DS_SSH_PORT
   value: {{ .Values.ssh.port | quote }}
+{{- range $name, $path := dict "DS_CONFIG_PATH" "ds_config" "DS_TRAIN_CONFIG_PATH" "train_config" "DS_CHECKPOINT_DIR" "checkpoint_dir" "DS_DATA_DIR" "data_dir" }}
+- name: {{ $name }}
+  value: {{ get (include "deepspeed-training.programPaths" $ | fromJson) $path | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Paths the chart gives the program: placeholders in `train.args`, and env on every rank (commonEnv). */}}
+{{- define "deepspeed-training.programPaths" -}}
+{{- $configDir := include "deepspeed-training.configDir" . }}
+{{- dict "ds_config" (printf "%s/ds_config.json" $configDir) "train_config" (printf "%s/train_config.json" $configDir) "checkpoint_dir" .Values.checkpoints.mountPath "data_dir" .Values.data.mountPath | toJson }}
+{{- end }}
+
+{{/*
+The program every rank runs and its arguments, as a JSON list: the module (`--module M`) or script, the
+chart's paths in the program's convention (train.argsConvention), then train.args with the placeholders
+{ds_config} {train_config} {checkpoint_dir} {data_dir} replaced. All of it reaches the remote shell.
+*/}}
+{{- define "deepspeed-training.programCommand" -}}
+{{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
+{{- $train := .Values.train }}
+{{- $command := ternary (list $train.script) (list "--module" $train.module) (ne $train.script "") }}
+{{- $convention := dict
+  "train" (list (printf "--ds-config=%s" $paths.ds_config) (printf "--config=%s" $paths.train_config) (printf "--checkpoint-dir=%s" $paths.checkpoint_dir))
+  "huggingface" (list "--deepspeed" $paths.ds_config "--output_dir" $paths.checkpoint_dir)
+  "deepspeed" (list "--deepspeed" "--deepspeed_config" $paths.ds_config)
+  "none" list }}
+{{- $command = concat $command (get $convention $train.argsConvention) }}
+{{- range $train.args }}
+{{- $arg := . }}
+{{- range $name, $path := $paths }}
+{{- $arg = replace (printf "{%s}" $name) $path $arg }}
+{{- end }}
+{{- $command = append $command $arg }}
+{{- end }}
+{{- toJson $command }}
+{{- end }}
+
+{{/* The launcher's `deepspeed` command: pdsh over SSH to the hostfile's workers, then the program. */}}
+{{- define "deepspeed-training.launchCommand" -}}
+{{- $command := list "deepspeed"
+  (printf "--hostfile=%s/hostfile" (include "deepspeed-training.configDir" .))
+  "--launcher=pdsh"
+  (printf "--ssh_port=%d" (int .Values.ssh.port))
+  "--no_ssh_check"
+  "--force_multi"
+  (printf "--master_addr=%s" (include "deepspeed-training.workerHost" (dict "root" . "index" 0)))
+  (printf "--master_port=%d" (int .Values.deepspeed.masterPort)) }}
+{{- /* --no_ssh_check: wait-for-workers.sh has checked SSH to every worker, not just the first.
+       --force_multi: always over pdsh, also with one worker: never run ranks in the launcher pod. */}}
+{{- toJson (concat $command .Values.launcher.deepspeedArgs (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
 {{- end }}

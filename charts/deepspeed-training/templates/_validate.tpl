@@ -1,0 +1,290 @@
+{{/*
+Checks that values.schema.json cannot express, run by templates/validate.yaml before anything renders.
+Each `fail` names the key and says what was expected: a mistake stops at `helm template`/`install`,
+never at the API server or on a rank after the GPUs are allocated.
+*/}}
+{{- define "deepspeed-training.validate" -}}
+{{- include "deepspeed-training.validateNames" . }}
+{{- include "deepspeed-training.validateEnv" . }}
+{{- include "deepspeed-training.validateMounts" . }}
+{{- include "deepspeed-training.validateLabels" . }}
+{{- include "deepspeed-training.validateProgram" . }}
+{{- include "deepspeed-training.validateDsConfig" . }}
+{{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
+{{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
+{{- end }}
+{{- with .Values.scheduling }}
+{{- if and .volcano.enabled .schedulerName (ne .schedulerName "volcano") }}
+{{- fail (printf "scheduling.volcano.enabled puts the pods in a Volcano PodGroup, but scheduling.schedulerName is %q: only the volcano scheduler honours it (leave schedulerName empty or set it to volcano)" .schedulerName) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.launcher.scaleDownWorkers (not .Values.serviceAccount.create) }}
+{{- if not .Values.serviceAccount.name }}
+{{- fail "launcher.scaleDownWorkers with serviceAccount.create=false needs serviceAccount.name: the scale permission would go to the namespace's default ServiceAccount (or set launcher.scaleDownWorkers=false)" }}
+{{- else if eq .Values.serviceAccount.name "default" }}
+{{- fail "serviceAccount.name: \"default\" with launcher.scaleDownWorkers would give every pod of the namespace the permission to scale this release's workers; use serviceAccount.create=true or a dedicated ServiceAccount" }}
+{{- end }}
+{{- end }}
+{{- $relaxations := include "deepspeed-training.securityRelaxations" . | trim }}
+{{- if and $relaxations (not .Values.allowSecurityRelaxations) }}
+{{- fail (printf "these values relax the chart's security defaults (restricted Pod Security, NetworkPolicy): %s. Set allowSecurityRelaxations: true to accept them; `make plan` and the dry run then list them as warnings" (splitList "\n" $relaxations | join "; ")) }}
+{{- end }}
+{{- end }}
+
+{{/* Resource names: the headless Service needs a DNS-1035 label; host names reach the remote shell. */}}
+{{- define "deepspeed-training.validateNames" -}}
+{{- $fullname := include "deepspeed-training.fullname" . }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $fullname) }}
+{{- fail (printf "release name %q with nameOverride/fullnameOverride gives resource names %q: they must start with a lower-case letter and hold only lower-case letters, digits and '-' (the headless Service's name is a DNS-1035 label)" .Release.Name $fullname) }}
+{{- end }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .Release.Namespace) }}
+{{- fail (printf "namespace %q: expected a DNS-1123 label (lower-case letters, digits and '-')" .Release.Namespace) }}
+{{- end }}
+{{- include "deepspeed-training.shellSafe" (dict "key" "deepspeed.masterAddr (from the release, namespace and clusterDomain)" "value" (include "deepspeed-training.workerHost" (dict "root" . "index" 0)) "context" "bare") }}
+{{- end }}
+
+{{/*
+Env names the chart or DeepSpeed's launcher sets; a user value would override them silently (or be
+overridden by them).
+*/}}
+{{- define "deepspeed-training.reservedEnvNames" -}}
+{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" | toJson }}
+{{- end }}
+
+{{- define "deepspeed-training.validateEnv" -}}
+{{- $reserved := include "deepspeed-training.reservedEnvNames" . | fromJsonArray }}
+{{- $seen := dict }}
+{{- range $key, $entries := dict "env" .Values.env "worker.extraEnv" .Values.worker.extraEnv }}
+{{- range $i, $e := $entries }}
+{{- $where := printf "%s[%d] (%s)" $key $i $e.name }}
+{{- if has $e.name $reserved }}
+{{- fail (printf "%s: %s is set by the chart or DeepSpeed's launcher; choose another name" $where $e.name) }}
+{{- end }}
+{{- if hasKey $seen $e.name }}
+{{- fail (printf "%s: %s is already set by %s; each env name once" $where $e.name (get $seen $e.name)) }}
+{{- end }}
+{{- $_ := set $seen $e.name $where }}
+{{- if and (hasKey $e "value") (hasKey $e "valueFrom") }}
+{{- fail (printf "%s: set value or valueFrom, not both" $where) }}
+{{- end }}
+{{- if hasKey $e "value" }}
+{{- if regexMatch "(?i)(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|APIKEY|CREDENTIALS?)(_|$)|(^|_)(API|ACCESS|PRIVATE|SECRET)_KEY(_|$)" $e.name }}
+{{- fail (printf "%s: a plain value for a secret-looking name lands in a ConfigMap and in DeepSpeed's logged command line; use valueFrom.secretKeyRef" $where) }}
+{{- end }}
+{{- if eq $key "env" }}
+{{- include "deepspeed-training.shellSafe" (dict "key" (printf "%s: value" $where) "value" $e.value "context" "quoted") }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes and mounts: one volume per name, one mount per path, every mount names a volume. */}}
+{{- define "deepspeed-training.validateMounts" -}}
+{{- $volumes := dict "config" "(chart)" "scripts" "(chart)" "ssh-keys" "(chart)" "home" "(chart)" "tmp" "(chart)" "dshm" "(chart)" "checkpoints" "(chart)" "data" "(chart)" }}
+{{- range $i, $v := .Values.worker.extraVolumes }}
+{{- if hasKey $volumes $v.name }}
+{{- fail (printf "worker.extraVolumes[%d]: volume name %q is taken (the chart's volumes: config, scripts, ssh-keys, home, tmp, dshm, checkpoints, data; or an earlier extraVolume)" $i $v.name) }}
+{{- end }}
+{{- $_ := set $volumes $v.name (printf "worker.extraVolumes[%d]" $i) }}
+{{- end }}
+{{- $mounts := dict }}
+{{- $paths := list (list "(chart) config" (include "deepspeed-training.configDir" .)) (list "(chart) scripts" (include "deepspeed-training.scriptsDir" .)) (list "(chart) ssh keys" (include "deepspeed-training.keysDir" .)) (list "image.homeDir" .Values.image.homeDir) (list "(chart) /tmp" "/tmp") (list "(chart) /dev/shm" "/dev/shm") (list "checkpoints.mountPath" .Values.checkpoints.mountPath) }}
+{{- if .Values.data.existingClaim }}
+{{- $paths = append $paths (list "data.mountPath" .Values.data.mountPath) }}
+{{- end }}
+{{- range $i, $m := .Values.worker.extraVolumeMounts }}
+{{- $paths = append $paths (list (printf "worker.extraVolumeMounts[%d].mountPath" $i) $m.mountPath) }}
+{{- if not (hasKey $volumes $m.name) }}
+{{- fail (printf "worker.extraVolumeMounts[%d]: no volume named %q (add it to worker.extraVolumes)" $i $m.name) }}
+{{- end }}
+{{- end }}
+{{- range $paths }}
+{{- $path := clean (index . 1) }}
+{{- if hasKey $mounts $path }}
+{{- fail (printf "%s and %s both mount at %s; each mount needs its own path" (get $mounts $path) (index . 0) $path) }}
+{{- end }}
+{{- $_ := set $mounts $path (index . 0) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels and annotations the chart sets or that decide isolation, scheduling or security: values may not set
+them (a later duplicate key would win and move a pod out of its release or into another's).
+*/}}
+{{- define "deepspeed-training.validateLabels" -}}
+{{- range $component := list "worker" "launcher" }}
+{{- $values := index $.Values $component }}
+{{- range $key, $_ := $values.podLabels }}
+{{- if or (regexMatch "^(app\\.kubernetes\\.io|helm\\.sh|kueue\\.x-k8s\\.io|scheduling\\.k8s\\.io|volcano\\.sh)/" $key) (regexMatch "(^|\\.)(kubernetes|k8s)\\.io/" $key) (has $key (list "controller-revision-hash" "job-name" "controller-uid")) }}
+{{- fail (printf "%s.podLabels: %q is reserved (the chart's selector and isolation labels, Kubernetes' and the schedulers' own)" $component $key) }}
+{{- end }}
+{{- end }}
+{{- range $key, $_ := $values.podAnnotations }}
+{{- if or (regexMatch "^(checksum|deepspeed-training|kueue\\.x-k8s\\.io|scheduling\\.k8s\\.io|volcano\\.sh)/" $key) (regexMatch "(^|\\.)security\\.(alpha|beta)\\.kubernetes\\.io/" $key) }}
+{{- fail (printf "%s.podAnnotations: %q is reserved (the chart's checksums, gang scheduling and pod security annotations)" $component $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The program and the runner flags reach the remote shell (see shellSafe). */}}
+{{- define "deepspeed-training.validateProgram" -}}
+{{- range $i, $arg := .Values.train.args }}
+{{- include "deepspeed-training.shellSafe" (dict "key" (printf "train.args[%d]" $i) "value" (regexReplaceAll "\\{(ds_config|train_config|checkpoint_dir|data_dir)\\}" $arg "") "context" "bare") }}
+{{- end }}
+{{- include "deepspeed-training.shellSafe" (dict "key" "train.script" "value" .Values.train.script "context" "bare") }}
+{{- $allowed := include "deepspeed-training.userRunnerFlags" . | fromJsonArray }}
+{{- range $i, $arg := .Values.launcher.deepspeedArgs }}
+{{- $flag := regexReplaceAll "=.*$" $arg "" }}
+{{- if not (has $flag $allowed) }}
+{{- fail (printf "launcher.deepspeedArgs[%d]: %q is not a runner flag values may set; allowed: %s (the chart sets the hostfile, launcher, ports, master address and program itself)" $i $arg (join ", " $allowed)) }}
+{{- end }}
+{{- include "deepspeed-training.shellSafe" (dict "key" (printf "launcher.deepspeedArgs[%d]" $i) "value" $arg "context" "bare") }}
+{{- end }}
+{{- end }}
+
+{{/*
+`deepspeed` runner flags values may pass (as `--flag` or `--flag=value`). Left out on purpose: what the chart
+sets (--hostfile, --launcher, --ssh_port, --master_addr, --master_port, --module, --no_ssh*, --force_multi)
+and what DeepSpeed pastes into the remote shell as code (--launcher_args, --venv_script).
+*/}}
+{{- define "deepspeed-training.userRunnerFlags" -}}
+{{- list "--include" "--exclude" "--num_nodes" "--num_gpus" "--bind_cores_to_rank" "--bind_core_list" "--enable_each_rank_log" "--elastic_training" "--min_elastic_nodes" "--max_elastic_nodes" "--no_local_rank" "--save_pid" "--force_multi" | toJson }}
+{{- end }}
+
+{{/*
+The ds_config rules a template can express, mirroring train/dsconfig.py (the one check the glue and every
+rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agrees with the world size.
+*/}}
+{{- define "deepspeed-training.validateDsConfig" -}}
+{{- $config := .Values.deepspeed.config }}
+{{- if $config }}
+{{- if not (toJson $config) }}
+{{- fail "deepspeed.config: cannot be written as JSON (NaN or Infinity?): use plain numbers" }}
+{{- end }}
+{{- $known := include "deepspeed-training.dsConfigKeys" . | fromJsonArray }}
+{{- range $key, $_ := $config }}
+{{- if not (has $key $known) }}
+{{- fail (printf "deepspeed.config: unknown top-level key %q; DeepSpeed would silently ignore it. Known keys: %s" $key (join ", " $known)) }}
+{{- end }}
+{{- end }}
+{{- $world := mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
+{{- $numbers := dict }}
+{{- range $name, $key := dict "micro" "train_micro_batch_size_per_gpu" "accum" "gradient_accumulation_steps" "total" "train_batch_size" }}
+{{- if and (hasKey $config $key) (ne (toString (get $config $key)) "auto") }}{{ $_ := set $numbers $name (int64 (get $config $key)) }}{{ end }}
+{{- end }}
+{{- if not (or (hasKey $config "train_micro_batch_size_per_gpu") (hasKey $config "train_batch_size")) }}
+{{- fail "deepspeed.config: set train_micro_batch_size_per_gpu or train_batch_size" }}
+{{- end }}
+{{- $worldText := printf "world size %d (worker.replicas %d x worker.gpusPerWorker %d)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
+{{- if and (hasKey $numbers "total") (hasKey $numbers "micro") (hasKey $numbers "accum") }}
+{{- if ne (int64 $numbers.total) (mul $numbers.micro $numbers.accum $world) }}
+{{- fail (printf "deepspeed.config.train_batch_size %d != train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x %s" $numbers.total $numbers.micro $numbers.accum $worldText) }}
+{{- end }}
+{{- else if and (hasKey $numbers "total") (hasKey $numbers "micro") }}
+{{- if ne (mod $numbers.total (mul $numbers.micro $world)) 0 }}
+{{- fail (printf "deepspeed.config.train_batch_size %d is not a multiple of train_micro_batch_size_per_gpu %d x %s" $numbers.total $numbers.micro $worldText) }}
+{{- end }}
+{{- else if and (hasKey $numbers "total") (not (hasKey $numbers "micro")) }}
+{{- $per := mul (default 1 $numbers.accum) $world }}
+{{- if ne (mod $numbers.total $per) 0 }}
+{{- fail (printf "deepspeed.config.train_batch_size %d is not a multiple of gradient_accumulation_steps %d x %s" $numbers.total (default 1 $numbers.accum) $worldText) }}
+{{- end }}
+{{- end }}
+{{- $autos := include "deepspeed-training.autoKeys" (dict "path" "deepspeed.config" "value" $config) | trim }}
+{{- if and $autos (not .Values.train.fillsDsConfigAuto) }}
+{{- fail (printf "%s: \"auto\" is filled in only by programs that do so (Hugging Face Trainer, Accelerate); DeepSpeed itself drops it silently. Give a value, or set train.fillsDsConfigAuto: true for such a program" (splitList " " $autos | join ", ")) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The top-level ds_config keys DeepSpeed reads: a copy of train/dsconfig.py's TOP_LEVEL_KEYS (a test keeps
+them equal). */}}
+{{- define "deepspeed-training.dsConfigKeys" -}}
+{{- list "activation_checkpointing" "aio" "amp" "autotuning" "bf16" "bfloat16" "checkpoint" "comet" "comms_logger" "communication_data_type" "compile" "compression_training" "csv_monitor" "curriculum_learning" "data_efficiency" "data_types" "dataloader_drop_last" "datastates_ckpt" "disable_allgather" "disable_python_gc" "dump_state" "eigenvalue" "elasticity" "expert_parallel" "flops_profiler" "fp16" "gradient_accumulation_steps" "gradient_allreduce_op" "gradient_clipping" "gradient_predivide_factor" "graph_harvesting" "hybrid_engine" "log_level" "managed_gradient_accumulation" "memory_breakdown" "nebula" "optimizer" "pipeline" "prescale_gradients" "progressive_layer_drop" "quantize_training" "scheduler" "seq_parallel_communication_data_type" "sequence_parallel_size" "sparse_attention" "sparse_gradients" "steps_per_print" "tensor_parallel" "tensorboard" "timers" "torch_autocast" "train_batch_size" "train_micro_batch_size_per_gpu" "use_data_before_expert_parallelism" "vocabulary_size" "wall_clock_breakdown" "wandb" "weight_quantization" "zero_allow_untested_optimizer" "zero_force_ds_cpu_optimizer" "zero_optimization" | toJson }}
+{{- end }}
+
+{{/* Dotted paths of the "auto" values in a ds_config subtree, space-separated. */}}
+{{- define "deepspeed-training.autoKeys" -}}
+{{- if kindIs "map" .value }}
+{{- range $key, $value := .value }}{{ include "deepspeed-training.autoKeys" (dict "path" (printf "%s.%s" $.path $key) "value" $value) }}{{ end }}
+{{- else if kindIs "slice" .value }}
+{{- range $i, $value := .value }}{{ include "deepspeed-training.autoKeys" (dict "path" (printf "%s[%d]" $.path $i) "value" $value) }}{{ end }}
+{{- else if eq (toString .value) "auto" }}{{ .path }} {{ end }}
+{{- end }}
+
+{{/*
+Every way these values relax the chart's security defaults, one line each naming the key. Empty for the
+defaults. templates/validate.yaml refuses a non-empty list unless allowSecurityRelaxations is true; then
+the pods carry it in an annotation and NOTES.txt, `make plan` and the dry run print it.
+*/}}
+{{- define "deepspeed-training.securityRelaxations" -}}
+{{- $pod := .Values.podSecurityContext | default dict }}
+{{- $container := .Values.securityContext | default dict }}
+{{- if not .Values.networkPolicy.enabled }}
+networkPolicy.enabled: false (any pod in the cluster may reach sshd and the rendezvous)
+{{- end }}
+{{- if ne (toString $pod.runAsNonRoot) "true" }}
+podSecurityContext.runAsNonRoot is not true
+{{- end }}
+{{- range $key, $ctx := dict "podSecurityContext" $pod "securityContext" $container }}
+{{- if and (hasKey $ctx "runAsUser") (eq (toString $ctx.runAsUser) "0") }}
+{{ $key }}.runAsUser: 0 (root)
+{{- end }}
+{{- with $ctx.seccompProfile }}
+{{- if not (has (toString .type) (list "RuntimeDefault" "Localhost")) }}
+{{ $key }}.seccompProfile.type: {{ .type }}
+{{- end }}
+{{- end }}
+{{- with $ctx.appArmorProfile }}
+{{- if eq (toString .type) "Unconfined" }}
+{{ $key }}.appArmorProfile.type: Unconfined
+{{- end }}
+{{- end }}
+{{- with $ctx.seLinuxOptions }}
+{{- if or .user .role (not (has (toString (.type | default "")) (list "" "container_t" "container_init_t" "container_kvm_t" "container_engine_t"))) }}
+{{ $key }}.seLinuxOptions: custom user, role or type
+{{- end }}
+{{- end }}
+{{- with $ctx.windowsOptions }}
+{{- if .hostProcess }}
+{{ $key }}.windowsOptions.hostProcess: true
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if not (or $pod.seccompProfile $container.seccompProfile) }}
+no seccompProfile (podSecurityContext.seccompProfile.type: RuntimeDefault)
+{{- end }}
+{{- with $pod.sysctls }}
+podSecurityContext.sysctls: set
+{{- end }}
+{{- if $container.privileged }}
+securityContext.privileged: true
+{{- end }}
+{{- if ne (toString $container.allowPrivilegeEscalation) "false" }}
+securityContext.allowPrivilegeEscalation is not false
+{{- end }}
+{{- if ne (toString $container.readOnlyRootFilesystem) "true" }}
+securityContext.readOnlyRootFilesystem is not true
+{{- end }}
+{{- if eq (toString $container.procMount) "Unmasked" }}
+securityContext.procMount: Unmasked
+{{- end }}
+{{- $caps := $container.capabilities | default dict }}
+{{- if not (has "ALL" ($caps.drop | default list)) }}
+securityContext.capabilities.drop does not hold ALL
+{{- end }}
+{{- range $caps.add }}
+{{- if ne . "NET_BIND_SERVICE" }}
+securityContext.capabilities.add: {{ . }}
+{{- end }}
+{{- end }}
+{{- range $i, $v := .Values.worker.extraVolumes }}
+{{- range $type, $_ := omit $v "name" }}
+{{- if not (has $type (list "configMap" "csi" "downwardAPI" "emptyDir" "ephemeral" "persistentVolumeClaim" "projected" "secret")) }}
+worker.extraVolumes[{{ $i }}] ({{ $v.name }}): {{ $type }} volume
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
