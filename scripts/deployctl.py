@@ -9,6 +9,7 @@ renders first, so nothing reaches a cluster unvalidated. Errors name the file, t
 import argparse
 import copy
 import json
+import logging
 import os
 import re
 import shlex
@@ -110,6 +111,7 @@ class Rendered:
     out: Path
     sources: list[str]
     runs_train_package: bool
+    origin: dict  # key path -> the layer file that set it
 
 
 def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what: str) -> None:
@@ -121,9 +123,12 @@ def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what
         if e.validator == "additionalProperties":  # blame the file that added the unknown key
             extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
             blame = (*path, extra[0]) if extra else path
+        elif e.validator == "required":  # blame the file that removed it (null), if one did
+            missing = [key for key in e.validator_value if key not in e.instance]
+            blame = (*path, missing[0]) if missing else path
         lines.append(f"{source_of(origin, blame)}: {dotted(path)}: {e.message}")
     if lines:
-        raise DeployError(f"{what}:\n  " + "\n  ".join(lines))
+        raise DeployError("; ".join(lines) + f" ({what})")
 
 
 PLATFORM_ONLY = {("deploy", "kubeContexts"): "the kube contexts an environment may deploy to"}
@@ -170,7 +175,7 @@ def check_chart_values(chart: dict, origin: dict) -> dict:
     merge(effective, chart, {}, "")
     effective = without_nulls(effective)
     check_schema(effective, json.loads((CHART / "values.schema.json").read_text()), origin, ("chart",),
-                 "chart values do not match charts/deepspeed-training/values.schema.json")
+                 "checked against charts/deepspeed-training/values.schema.json")
     return effective
 
 
@@ -221,11 +226,19 @@ def render_ds_config(settings: dict, origin: dict, world_size: int, steps: int, 
     return ds_config, batch
 
 
+def quiet_deepspeed() -> None:
+    """DeepSpeed logs warnings at import and from its parsers (accelerator detection, schedulers asked for an
+    lr before a step); the glue only checks configs, so its output stays the plan."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no device detection (and its warning): only configs here
+    from deepspeed.utils import logger as deepspeed_logger
+    deepspeed_logger.setLevel(logging.ERROR)
+
+
 def build(env: str, project: str | None) -> Rendered:
     merged, origin, sources = load_layers(env, project)
     settings = without_nulls(merged)
-    check_schema(settings, json.loads(SETTINGS_SCHEMA.read_text()), origin, (), "values do not match "
-                 "scripts/settings.schema.json")
+    check_schema(settings, json.loads(SETTINGS_SCHEMA.read_text()), origin, (),
+                 "checked against scripts/settings.schema.json")
     check_release_is_unique(settings, origin, env, project)
     effective = check_chart_values(merged["chart"], origin)
     world_size = effective["worker"]["replicas"] * effective["worker"]["gpusPerWorker"]
@@ -233,17 +246,18 @@ def build(env: str, project: str | None) -> Rendered:
     ours = runs_train_package(effective)
     if ours:
         try:  # the train package's own config check, as the pods will run it
-            steps = from_mapping({**train_config, "ds_config": "ds_config.json"},
-                                 f"{source_of(origin, ('chart', 'train'))}: chart.train.config").steps
+            steps = from_mapping({**train_config, "ds_config": "ds_config.json"}, "chart.train.config").steps
         except ConfigError as err:
-            raise DeployError(str(err)) from None
+            named = blame(origin, ("chart", "train", "config"), str(err))
+            files = sorted({n.rsplit(" from ", 1)[1] for n in named}) or [source_of(origin, ("chart", "train"))]
+            raise DeployError(f"{', '.join(files)}: {err}") from None
     else:
         steps = train_config.get("steps", TrainConfig.steps)
     ds_config, batch = render_ds_config(settings, origin, world_size, steps, effective["train"]["fillsDsConfigAuto"])
     chart = copy.deepcopy(merged["chart"])
     chart.setdefault("deepspeed", {})["config"] = ds_config
     out = BUILD / (project or "base") / env
-    return Rendered(env, project, settings, chart, effective, ds_config, batch, world_size, out, sources, ours)
+    return Rendered(env, project, settings, chart, effective, ds_config, batch, world_size, out, sources, ours, origin)
 
 
 def write(r: Rendered) -> None:
@@ -384,13 +398,42 @@ def run(cmd: list[str], dry_run: bool = False, env: dict | None = None) -> int:
     return 0 if dry_run else subprocess.run(cmd, env=env).returncode
 
 
+def helm_message(stderr: str) -> str:
+    """helm's error on one line: without its "Error:" prefixes, template positions and --debug hint."""
+    lines = []
+    for line in stderr.splitlines():
+        line = re.sub(r"^Error: (execution error at \([^)]*\): )?", "", line.strip())
+        if line and not line.startswith("Use --debug") and line != "deepspeed-training:":
+            lines.append(line.lstrip("- "))
+    return "; ".join(lines)
+
+
+def blame(origin: dict, prefix: tuple, message: str) -> list[str]:
+    """['chart.x.y from values/a.yaml', ...] for the keys under `prefix` that an error message names (as
+    x.y, or helm 4's /x/y), so the message can name the layer to fix."""
+    named = []
+    for path, source in origin.items():
+        if path[:len(prefix)] == prefix and len(path) > len(prefix):
+            key = ".".join(str(p) for p in path[len(prefix):])
+            if re.search(rf"(^|[^\w.]){re.escape(key)}([^\w]|$)", message) or \
+                    f"/{'/'.join(str(p) for p in path[len(prefix):])}'" in message:
+                named.append(f"{'.'.join(path)} from {source}")
+    return sorted(named)
+
+
+def blame_chart_error(r: Rendered, stderr: str) -> str:
+    named = blame(r.origin, ("chart",), stderr)
+    return f" ({', '.join(named)})" if named else ""
+
+
 def helm_template(r: Rendered) -> str:
     """The manifests Helm would apply (the chart's own checks run here too)."""
     cmd = [helm(), "template", release_name(r), str(CHART), "-f", str(r.out / "values.yaml"),
            *helm_args(r, None)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise DeployError(f"helm template of {r.out.relative_to(ROOT)}/values.yaml failed:\n{proc.stderr.strip()}")
+        where = f"{r.out.relative_to(ROOT)}/values.yaml{blame_chart_error(r, proc.stderr)}"
+        raise DeployError(f"the chart refuses {where}: {helm_message(proc.stderr)}")
     (r.out / "manifests.yaml").write_text(proc.stdout)
     return proc.stdout
 
@@ -461,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the helm command and the objects; apply nothing")
     parser.add_argument("--wait", action="store_true", help="helm --wait")
     args = parser.parse_args(argv)
+    quiet_deepspeed()
     try:
         r = build(args.env, args.project)
         write(r)

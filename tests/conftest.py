@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.glue_tree import tree  # noqa: F401  (the fixture, for every test module)
+
 SHM = Path("/dev/shm")
 PATTERN = "deepspeed_allreduce_buffer_*"
 

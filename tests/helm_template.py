@@ -1,5 +1,6 @@
 """`render_chart()`: the real `helm template` of the chart, parsed. Tests assert fields of what it returns."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -45,7 +46,7 @@ def render_chart(values: dict | None = None, *, show_only: list[str] | None = No
     with tempfile.TemporaryDirectory() as tmp:
         def write(i: int, layer: dict) -> Path:
             path = Path(tmp) / f"values-{i}.yaml"
-            path.write_text(yaml.safe_dump(layer))
+            path.write_text(json.dumps(layer))  # JSON: no YAML 1.1/1.2 disagreement on "n", "y", "0370e25"
             return path
 
         files = ([write(0, IMAGE)] if with_image else []) + list(values_files) + ([write(1, values)] if values else [])

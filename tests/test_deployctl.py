@@ -5,36 +5,12 @@ import shutil
 import subprocess
 
 import pytest
-import yaml
 
 from scripts import deployctl
+from tests.glue_tree import edit, run, set_key, write
 from tests.helm_template import HELM, ROOT, render_chart
 
 ENVS = ["dev", "staging", "prod"]
-
-
-@pytest.fixture
-def tree(tmp_path, monkeypatch):
-    """A copy of values/ and templates/ to break; build/ goes to tmp as well."""
-    shutil.copytree(ROOT / "values", tmp_path / "values")
-    shutil.copytree(ROOT / "templates", tmp_path / "templates")
-    monkeypatch.setattr(deployctl, "VALUES", tmp_path / "values")
-    monkeypatch.setattr(deployctl, "TEMPLATES", tmp_path / "templates")
-    monkeypatch.setattr(deployctl, "BUILD", tmp_path / "build")
-    monkeypatch.setattr(deployctl, "ROOT", tmp_path)
-    return tmp_path
-
-
-def edit(path, change):
-    data = yaml.safe_load(path.read_text()) or {}
-    change(data)
-    path.write_text(yaml.safe_dump(data))
-
-
-def run(*args, capsys):
-    code = deployctl.main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
@@ -138,21 +114,6 @@ def test_make_demo_runs_the_dev_render_as_a_local_deepspeed_job():
 
 
 # ---- bad input: each error names the file, the key and what was expected
-
-def set_key(rel, *path_value):
-    *path, value = path_value
-
-    def change(data):
-        node = data
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return lambda tree: edit(tree / "values" / rel, change)
-
-
-def write(rel, text):
-    return lambda tree: (tree / rel).write_text(text)
-
 
 BAD = {
     "unknown ENV": (None, ["--env", "qa"], "ENV=qa: no values/qa.yaml; environments: dev, prod, staging"),

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,13 +56,27 @@ def format_eta(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-def train(cfg: TrainConfig, rank: int, world_size: int, stop: StopFlag) -> int:
+@dataclass
+class Inputs:
+    """What a rank checked before joining the process group: a bad file fails every rank at once, with exit
+    2 and one line, instead of after the rendezvous (or, worse, inside deepspeed.initialize)."""
+    ds_config: dict
+    batch: tuple[int, int, int]
+    data: object
+
+
+def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
     ds_config = dsconfig.load(cfg.ds_config)
-    micro, accum, global_batch = dsconfig.validate(ds_config, world_size, cfg.ds_config)
+    batch = dsconfig.validate(ds_config, world_size, cfg.ds_config)
+    if cfg.checkpoint_dir:
+        checkpoint.check_writable(Path(cfg.checkpoint_dir))
+    return Inputs(ds_config, batch, make_data(cfg.data, cfg.model, rank, world_size, batch[0]))
+
+
+def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: StopFlag) -> int:
+    ds_config, data = inputs.ds_config, inputs.data
+    micro, accum, global_batch = inputs.batch
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    if ckpt_dir:
-        checkpoint.check_writable(ckpt_dir)
-    data = make_data(cfg.data, cfg.model, rank, world_size, micro)
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
@@ -162,15 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()  # first: a SIGTERM during start-up must not kill this rank while its peers wait
     rank = int(os.environ.get("RANK", "0"))
     init_logger(rank)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by DeepSpeed's launcher for every rank
     try:
         cfg = parse_args(argv)
-    except ConfigError as err:
+        inputs = check_inputs(cfg, rank, world_size)
+    except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))
         return 2
     deepspeed.init_distributed(timeout=timedelta(seconds=cfg.dist_timeout_s))
     status = 1
     try:
-        status = train(cfg, dist.get_rank(), dist.get_world_size(), stop)
+        if dist.get_world_size() != world_size:
+            raise ConfigError(f"WORLD_SIZE {world_size} but the process group has {dist.get_world_size()} ranks")
+        status = train(cfg, inputs, dist.get_rank(), world_size, stop)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's
         status = 2

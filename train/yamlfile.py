@@ -57,8 +57,9 @@ def load_mapping(path: Path, name: str | None = None) -> dict:
         raise YamlFileError(f"{name}: cannot read: {err.strerror}") from None
     except UnicodeDecodeError as err:
         raise YamlFileError(f"{name}: byte {err.start}: not UTF-8 text; expected YAML or JSON") from None
-    loader = _StrictLoader(text)
+    loader = None
     try:
+        loader = _StrictLoader(text)  # its reader refuses control characters at once
         node = loader.get_single_node()
         if node is None:
             return {}
@@ -73,7 +74,8 @@ def load_mapping(path: Path, name: str | None = None) -> dict:
     except RecursionError:
         raise YamlFileError(f"{name}: nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader:
+            loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):

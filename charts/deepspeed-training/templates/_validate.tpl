@@ -113,6 +113,14 @@ Labels and annotations the chart sets or that decide isolation, scheduling or se
 them (a later duplicate key would win and move a pod out of its release or into another's).
 */}}
 {{- define "deepspeed-training.validateLabels" -}}
+{{- $maps := dict "global.nodeSelector" .Values.global.nodeSelector "worker.nodeSelector" .Values.worker.nodeSelector "launcher.nodeSelector" .Values.launcher.nodeSelector "worker.podLabels" .Values.worker.podLabels "launcher.podLabels" .Values.launcher.podLabels "worker.podAnnotations" .Values.worker.podAnnotations "launcher.podAnnotations" .Values.launcher.podAnnotations "serviceAccount.annotations" .Values.serviceAccount.annotations }}
+{{- range $where, $map := $maps }}
+{{- range $key, $_ := $map }}
+{{- if or (gt (len $key) 316) (not (regexMatch "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" $key)) }}
+{{- fail (printf "%s: key %q is not a Kubernetes label/annotation name ([prefix/]name of letters, digits and -_.)" $where $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- range $component := list "worker" "launcher" }}
 {{- $values := index $.Values $component }}
 {{- range $key, $_ := $values.podLabels }}
