@@ -315,3 +315,27 @@ def test_no_string_value_escapes_its_field(slot, payload):
     for line in config["data"]["deepspeed_env"].splitlines():
         assert re.fullmatch(r'[A-Za-z_][A-Za-z0-9_]*=[^$`"\\]*', line), line
     assert not any(d["kind"] == "ClusterRoleBinding" for d in docs)
+
+
+# ---------------------------------------------------------------- the chart's copies of Python facts
+
+def _helper_list(name: str) -> list[str]:
+    text = (CHART / "templates" / "_validate.tpl").read_text()
+    body = text[text.index(f'define "deepspeed-training.{name}"'):]
+    return re.findall(r'"([^"]+)"', body[body.index("list "):body.index("| toJson")])
+
+
+def test_the_chart_knows_the_ds_config_keys_the_python_check_knows():
+    from train import dsconfig
+    assert set(_helper_list("dsConfigKeys")) == set(dsconfig.TOP_LEVEL_KEYS)
+
+
+def test_every_runner_flag_values_may_set_exists_in_deepspeeds_runner():
+    from deepspeed.launcher import runner
+    takes_value = {"--include": "h", "--exclude": "h", "--num_nodes": "1", "--num_gpus": "1",
+                   "--num_accelerators": "1", "--bind_core_list": "0", "--enable_each_rank_log": "/ck/logs",
+                   "--log_level": "info"}
+    for flag in _helper_list("userRunnerFlags"):
+        arg = f"{flag}={takes_value[flag]}" if flag in takes_value else flag
+        args = runner.parse_args([arg, "prog.py"])
+        assert args.user_script == "prog.py", flag

@@ -147,5 +147,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             continue
         section, _, name = dest.rpartition(".")
         target = values.setdefault(section, {}) if section else values
+        if not isinstance(target, dict):
+            raise ConfigError(f"{source}: {section} must be a mapping, got {type(target).__name__}")
         target[name] = value
     return from_mapping(values, source)

@@ -224,8 +224,11 @@ def _bind(params: dict, target, owner: str, key_path: str, source: str, *, passe
                 + (f" (did you mean {close[0]!r}?)" if close else "") + f"; it takes {', '.join(by_name)}")
         if value == AUTO:
             continue
-        default = by_name[key].default
-        kind = type(default) if default is not inspect.Parameter.empty and default is not None else None
+        default, annotation = by_name[key].default, by_name[key].annotation
+        if default is not inspect.Parameter.empty and default is not None:
+            kind = type(default)
+        else:  # no default: a plain annotation, if any, says the type
+            kind = annotation if annotation in (bool, int, float, str) else None
         ok = True
         if kind is bool:
             ok = isinstance(value, bool)
@@ -306,7 +309,7 @@ def _check_optimizer(config: dict, source: str) -> None:
         known = sorted(DEEPSPEED_OPTIMIZERS) + sorted(n for n, c in vars(torch.optim).items() if isinstance(c, type)
                                                         and issubclass(c, torch.optim.Optimizer)
                                                         and c is not torch.optim.Optimizer)
-        close = difflib.get_close_matches(name, known, n=1) or difflib.get_close_matches(name.lower(), known, n=1)
+        close = [k for k in known if k.lower() == name.lower()] or difflib.get_close_matches(name, known, n=1)
         raise DsConfigError(f"ds_config {source}: optimizer.type {name!r} is neither a DeepSpeed optimizer nor a "
                             f"torch.optim class" + (f" (did you mean {close[0]!r}?)" if close else "")
                             + f"; known: {', '.join(known)}")

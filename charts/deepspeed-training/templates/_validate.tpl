@@ -158,7 +158,7 @@ sets (--hostfile, --launcher, --ssh_port, --master_addr, --master_port, --module
 and what DeepSpeed pastes into the remote shell as code (--launcher_args, --venv_script).
 */}}
 {{- define "deepspeed-training.userRunnerFlags" -}}
-{{- list "--include" "--exclude" "--num_nodes" "--num_gpus" "--bind_cores_to_rank" "--bind_core_list" "--enable_each_rank_log" "--elastic_training" "--min_elastic_nodes" "--max_elastic_nodes" "--no_local_rank" "--save_pid" "--force_multi" | toJson }}
+{{- list "--include" "--exclude" "--num_nodes" "--num_gpus" "--num_accelerators" "--bind_cores_to_rank" "--bind_core_list" "--enable_each_rank_log" "--no_local_rank" "--save_pid" "--log_level" "--quiet" "--force_multi" | toJson }}
 {{- end }}
 
 {{/*
