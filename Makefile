@@ -96,6 +96,10 @@ test: setup lint ## Set up if needed, lint, then run the whole test suite (chart
 image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cuda).
 	bash scripts/image.sh build
 
+.PHONY: image-hf
+image-hf: image ## The Hugging Face layer on the image (docker/Dockerfile.hf): transformers, accelerate, datasets, tensorboard.
+	bash scripts/image.sh build_hf
+
 .PHONY: image-push
 image-push: ## Tag and push the image: make image-push REGISTRY=registry.example.com/ml
 	$(if $(REGISTRY),,$(error REGISTRY is required: `make image-push REGISTRY=registry.example.com/ml`))
@@ -112,5 +116,5 @@ test-image: ## Build the CPU image with podman (debootstrapped base) and run a l
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done
 	shellcheck -x -P SCRIPTDIR $(CHART)/files/*.sh scripts/*.sh .ci/run
-	hadolint docker/Dockerfile
+	hadolint docker/Dockerfile docker/Dockerfile.hf
 	ruff check .

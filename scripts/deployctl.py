@@ -33,6 +33,7 @@ VALUES, TEMPLATES, BUILD = ROOT / "values", ROOT / "templates", ROOT / "build"
 CHART = ROOT / "charts" / "deepspeed-training"
 SETTINGS_SCHEMA = Path(__file__).with_name("settings.schema.json")
 CHART_DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+IMAGE_EXAMPLES = "/opt/deepspeed-examples"  # where docker/Dockerfile.hf puts examples/; the demo runs them from here
 
 
 class DeployError(Exception):
@@ -455,14 +456,15 @@ def deploy(r: Rendered, context: str | None, dry_run: bool, wait: bool, manifest
 def demo(r: Rendered, manifests: str) -> int:
     """The rendered program as a local DeepSpeed job, one rank per worker slot: the launcher Job's own command
     (so the chart's program conventions apply), with its pod paths pointed at build/."""
-    ckpt = BUILD / "demo" / "checkpoints"
+    ckpt = BUILD / "demo" / (r.project or "base") / "checkpoints"  # one per project: programs differ
     job = next(doc for doc in yaml.safe_load_all(manifests) if doc and doc["kind"] == "Job")
     launcher = job["spec"]["template"]["spec"]["containers"][0]
     runner = launcher["args"]
     start = next(i for i, arg in enumerate(runner[1:], 1) if arg == "--module" or not arg.startswith("--"))
     paths = {e["name"]: e["value"] for e in launcher["env"] if "value" in e}
     local = {paths["DS_CONFIG_PATH"]: str(r.out / "ds_config.json"),
-             paths["DS_TRAIN_CONFIG_PATH"]: str(r.out / "train_config.json"), paths["DS_CHECKPOINT_DIR"]: str(ckpt)}
+             paths["DS_TRAIN_CONFIG_PATH"]: str(r.out / "train_config.json"), paths["DS_CHECKPOINT_DIR"]: str(ckpt),
+             IMAGE_EXAMPLES: str(ROOT / "examples")}
     program = []
     for arg in runner[start:]:
         for pod_path, local_path in local.items():
@@ -479,8 +481,8 @@ def demo(r: Rendered, manifests: str) -> int:
         raise DeployError("deepspeed is not on PATH: run `make setup`, then `make demo` (the Makefile adds .venv/bin)")
     code = run(cmd, env=env)
     if code == 0:
-        print(f"demo: done; checkpoints and metrics.json in {ckpt.relative_to(ROOT)}. A rerun resumes from the last "
-              f"checkpoint; `rm -rf {ckpt.parent.relative_to(ROOT)}` starts over.")
+        print(f"demo: done; checkpoints in {ckpt.relative_to(ROOT)}. A rerun resumes from the last checkpoint; "
+              f"`rm -rf {ckpt.relative_to(ROOT)}` starts over.")
     return code
 
 

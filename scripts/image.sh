@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The worker/launcher image (docker/Dockerfile).  Usage: scripts/image.sh build|push|base
-#   build  docker or podman build of IMAGE_NAME:IMAGE_TAG (VARIANT=cpu|cuda, default cpu)
+# The worker/launcher image (docker/Dockerfile).  Usage: scripts/image.sh build|build_hf|push|base
+#   build     docker or podman build of IMAGE_NAME:IMAGE_TAG (VARIANT=cpu|cuda, default cpu)
+#   build_hf  the Hugging Face layer on it (docker/Dockerfile.hf): IMAGE_NAME:IMAGE_TAG-hf
 #   push   tag and push it to REGISTRY
 #   base   (podman, offline machines) make the Dockerfile's FROM image with debootstrap instead of pulling it
 set -euo pipefail
@@ -75,6 +76,16 @@ build() {
   rm -f docker/wheels/*.whl
 }
 
+build_hf() {
+  local tool args=()
+  tool=$(engine)
+  if [[ -s "${SSL_CERT_FILE:-}" ]]; then args+=(--secret "id=ca,src=$SSL_CERT_FILE"); fi
+  if [[ "$tool" == podman ]]; then args+=(--format docker --pull=never); fi
+  log "$tool build $IMAGE_NAME:$IMAGE_TAG-hf on $IMAGE_NAME:$IMAGE_TAG"
+  "$tool" build -f docker/Dockerfile.hf --build-arg "BASE=$IMAGE_NAME:$IMAGE_TAG" "${args[@]}" \
+    -t "$IMAGE_NAME:$IMAGE_TAG-hf" .
+}
+
 push() {
   local tool
   : "${REGISTRY:?REGISTRY is required: make image-push REGISTRY=registry.example.com/ml}"
@@ -84,9 +95,9 @@ push() {
 }
 
 case "${1:-}" in
-  build | push | base) "$1" ;;
+  build | build_hf | push | base) "$1" ;;
   *)
-    echo "usage: $0 build|push|base" >&2
+    echo "usage: $0 build|build_hf|push|base" >&2
     exit 2
     ;;
 esac

@@ -109,8 +109,18 @@ def test_make_demo_runs_the_dev_render_as_a_local_deepspeed_job():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "--ds-config=" + str(ROOT / "build/base/dev/ds_config.json") in proc.stdout
     assert "[rank 0] INFO step 40/40" in proc.stdout
-    assert "demo: done; checkpoints and metrics.json in build/demo/checkpoints" in proc.stdout
-    assert json.loads((ROOT / "build/demo/checkpoints/metrics.json").read_text())["steps"] == 40
+    assert "demo: done; checkpoints in build/demo/base/checkpoints" in proc.stdout
+    assert json.loads((ROOT / "build/demo/base/checkpoints/metrics.json").read_text())["steps"] == 40
+
+
+def test_make_demo_runs_a_projects_own_program():
+    shutil.rmtree(ROOT / "build" / "demo" / "hf-example", ignore_errors=True)
+    proc = subprocess.run(["make", "demo", "PROJECT=hf-example"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{ROOT}/examples/hf_trainer.py --deepspeed {ROOT}/build/hf-example/dev/ds_config.json" in proc.stdout
+    assert "hf_trainer: done at global step 20" in proc.stdout
+    assert (ROOT / "build/demo/hf-example/checkpoints/checkpoint-20").is_dir()
 
 
 # ---- bad input: each error names the file, the key and what was expected

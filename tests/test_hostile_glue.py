@@ -8,16 +8,17 @@ import subprocess
 import pytest
 
 from scripts import deployctl
-from tests.glue_tree import edit, run, set_key, write
+from scripts.jinja_render import render as render_template
+from tests.glue_tree import run, set_key, write
 from tests.helm_template import HELM, ROOT
+from tests.payloads import ALIAS_BOMB
+from train import dsconfig
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 
 EXAMPLE = "values/projects/example/values.yaml"
 DEV = ["--env", "dev"]
 DEV_EXAMPLE = ["--env", "dev", "--project", "example"]
-BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdef", "bcdefg"))
 
 
 def raw(rel, data: bytes):
@@ -49,7 +50,7 @@ BAD = {
                                 ["values/dev.yaml:", "duplicate key 'deploy'"]),
     "duplicate nested key": (write(EXAMPLE, "chart:\n  worker:\n    replicas: 1\n    replicas: 2\n"), DEV_EXAMPLE,
                              [f"{EXAMPLE}:4:5", "duplicate key 'replicas'"]),
-    "alias bomb": (write(EXAMPLE, BOMB), DEV_EXAMPLE, [EXAMPLE, "expands to more than"]),
+    "alias bomb": (write(EXAMPLE, ALIAS_BOMB), DEV_EXAMPLE, [EXAMPLE, "expands to more than"]),
     "nested too deeply": (write(EXAMPLE, "a: " + "[" * 200 + "]" * 200 + "\n"), DEV_EXAMPLE, [EXAMPLE]),
     "YAML syntax": (write(EXAMPLE, "chart:\n  worker: {replicas: 2\n"), DEV_EXAMPLE, [EXAMPLE, "YAML syntax error"]),
     "top level is a string": (write(EXAMPLE, "just text\n"), DEV_EXAMPLE, [EXAMPLE, "expected a mapping"]),
@@ -219,16 +220,41 @@ PRESETS = sorted(p.name.removesuffix(".json.j2") for p in (ROOT / "templates" / 
 PROJECTS = [None] + sorted(p.name for p in (ROOT / "values" / "projects").iterdir() if p.is_dir())
 
 
+def preset_fills_in_auto(preset: str) -> bool:
+    rendered = render_template(ROOT / "templates", f"ds_config/{preset}.json.j2", {
+        "micro_batch": 1, "gradient_accumulation": 1, "global_batch": 1, "lr": 1.0, "weight_decay": 0.0,
+        "warmup_steps": 1, "gradient_clipping": 1.0, "steps": 10})
+    return bool(dsconfig.auto_keys(json.loads(rendered)))
+
+
 @pytest.mark.parametrize("project", PROJECTS, ids=[str(p) for p in PROJECTS])
 @pytest.mark.parametrize("env", ["dev", "staging", "prod"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_plan_and_dry_run_for_every_preset_env_and_project(tree, capsys, preset, env, project):
-    set_key(f"{env}.yaml", "deepspeed", "preset", preset)(tree)
+    """Every shipped preset in every environment and project; a preset of "auto" values only where the
+    project's program fills them in."""
+    layer = f"projects/{project}/values.yaml" if project else f"{env}.yaml"
+    set_key(layer, "deepspeed", "preset", preset)(tree)
     args = ["--env", env] + (["--project", project] if project else [])
     code, out, err = run("plan", *args, capsys=capsys)
+    fills_auto = project and deployctl.build(env, project).effective["train"]["fillsDsConfigAuto"] if code == 0 \
+        else False
+    if preset_fills_in_auto(preset) and not fills_auto:
+        assert code == 1 and "fillsDsConfigAuto" in err, out + err
+        return
     assert code == 0, err
     assert f"preset {preset}: ZeRO stage" in out
+    if preset_fills_in_auto(preset):
+        assert "batch       micro auto (filled by the program) x accumulation auto" in out
     if project:
         code, out, err = run("deploy", *args, "--dry-run", capsys=capsys)
         assert code == 0, err
         assert "DRY_RUN: not applied" in out and "helm upgrade --install" in out
+
+
+def test_a_hugging_face_project_plans_its_own_program(capsys):
+    code, out, err = run("plan", "--env", "dev", "--project", "hf-example", capsys=capsys)
+    assert code == 0, err
+    assert "program     /opt/deepspeed-examples/hf_trainer.py (huggingface arguments, fills the ds_config's " \
+           "\"auto\" values)" in out
+    assert "model       the program's own (no estimate)" in out

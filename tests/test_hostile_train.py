@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
+from tests.payloads import ALIAS_BOMB
+from tests.train_run import cpu_ds_config, run_single
 from train import checkpoint, dsconfig
 from train.config import ConfigError, parse_args
 from train.data import DataError
 from train.main import check_inputs
-from tests.train_run import cpu_ds_config, run_single
 
 REFUSED = (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError)
 TINY = ["--model.n-layer", "1", "--model.d-model", "32", "--model.n-head", "2", "--model.seq-len", "16"]
@@ -43,8 +44,6 @@ def with_(**extra):
 
 
 OK = cpu_ds_config()
-BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdef", "bcdefg"))
 
 # (arguments built in a temp dir, substrings of the error: the file and the key)
 BAD = {
@@ -128,7 +127,7 @@ BAD = {
                                               ["train.yaml"]),
     "train config duplicate key": (lambda t: ds(t, OK) + cfg_file(t, text="steps: 5\nsteps: 6\n"),
                                    ["train.yaml:2:1", "duplicate key 'steps'"]),
-    "train config alias bomb": (lambda t: ds(t, OK) + cfg_file(t, text=BOMB), ["train.yaml", "expands to more"]),
+    "train config alias bomb": (lambda t: ds(t, OK) + cfg_file(t, text=ALIAS_BOMB), ["train.yaml", "expands to more"]),
     "train config is a list": (lambda t: ds(t, OK) + cfg_file(t, text="- 1\n"), ["train.yaml", "mapping"]),
     "train config steps as text": (lambda t: ds(t, OK) + cfg_file(t, text="steps: ten\n"), ["train.yaml", "steps"]),
     "train config NaN dropout": (lambda t: ds(t, OK) + cfg_file(t, text="model: {dropout: .nan}\n"),

@@ -1,0 +1,1 @@
+"""Example training programs of the three conventions the chart launches (train.argsConvention)."""

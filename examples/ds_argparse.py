@@ -1,0 +1,53 @@
+"""A DeepSpeedExamples-style program: argparse with `deepspeed.add_config_arguments`, launched by the chart
+with the `deepspeed` convention (`--deepspeed --deepspeed_config <ds_config>`) or as a script with the `none`
+convention and placeholders (`--deepspeed_config={ds_config} --save_dir={checkpoint_dir}`).
+
+    deepspeed prog.py --deepspeed --deepspeed_config ds_config.json [--steps N] [--save_dir DIR]
+
+A small regression MLP on synthetic data; the loss is printed on rank 0 every 5 steps, and a checkpoint is
+saved to --save_dir (default: $DS_CHECKPOINT_DIR, set by the chart on every rank) at the end.
+"""
+
+import argparse
+import os
+import sys
+
+import deepspeed
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--save_dir", default=os.environ.get("DS_CHECKPOINT_DIR", ""))
+    return deepspeed.add_config_arguments(parser).parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    deepspeed.init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    rank, micro = engine.global_rank, engine.train_micro_batch_size_per_gpu()
+    weights = torch.linspace(-1, 1, 16)
+    generator = torch.Generator().manual_seed(1 + rank)
+    for step in range(1, args.steps + 1):
+        for _ in range(engine.gradient_accumulation_steps()):
+            x = torch.randn(micro, 16, generator=generator)
+            loss = torch.nn.functional.mse_loss(engine(x).squeeze(-1), x @ weights)
+            engine.backward(loss)
+            engine.step()
+        if rank == 0 and step % 5 == 0:
+            print(f"ds_argparse: step {step}/{args.steps} loss {loss.item():.4f} "
+                  f"world {engine.world_size} config {args.deepspeed_config}", flush=True)
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}")
+        if rank == 0:
+            print(f"ds_argparse: saved {args.save_dir}/step{args.steps}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
