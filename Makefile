@@ -112,6 +112,10 @@ test-image: ## Build the CPU image with podman (debootstrapped base) and run a l
 	VARIANT=cpu bash scripts/image.sh build
 	DS_TEST_IMAGE=deepspeed-train:0.1.0-cpu CONTAINERS_CONF=$(ROOT)/.build/containers.conf pytest tests/image -v
 
+.PHONY: test-cluster
+test-cluster: ## The cluster tier on a real Kubernetes: the local one-node cluster of ../shared/k8s (root), or KUBECONFIG + DS_IMAGE.
+	bash scripts/test-cluster.sh
+
 .PHONY: lint
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done

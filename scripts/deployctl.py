@@ -43,6 +43,8 @@ class DeployError(Exception):
 # ---------------------------------------------------------------- layering
 
 def load_yaml(path: Path) -> dict:
+    if not path.resolve().is_relative_to(VALUES.resolve()):  # a link out of values/ (a tenant's project dir)
+        raise DeployError(f"{path.relative_to(ROOT)}: links outside values/; layers must be files in values/")
     try:
         return yamlfile.load_mapping(path, str(path.relative_to(ROOT)))
     except yamlfile.YamlFileError as err:
@@ -255,6 +257,14 @@ def build(env: str, project: str | None) -> Rendered:
     else:
         steps = train_config.get("steps", TrainConfig.steps)
     ds_config, batch = render_ds_config(settings, origin, world_size, steps, effective["train"]["fillsDsConfigAuto"])
+    if not effective["worker"]["gpuResourceName"]:  # CPU ranks: what DeepSpeed's CPU accelerator can run
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+        where = (f"templates/ds_config/{settings['deepspeed']['preset']}.json.j2 with chart.worker.gpuResourceName "
+                 f"\"\" ({source_of(origin, ('chart', 'worker', 'gpuResourceName'))})")
+        try:
+            dsconfig.check_precision(ds_config, CPU_Accelerator(), where)
+        except dsconfig.DsConfigError as err:
+            raise DeployError(str(err)) from None
     chart = copy.deepcopy(merged["chart"])
     chart.setdefault("deepspeed", {})["config"] = ds_config
     out = BUILD / (project or "base") / env

@@ -404,3 +404,10 @@ def test_bad_values_are_rejected_naming_the_key(case, helm):
     with pytest.raises(HelmError) as err:
         render_chart(values, helm=helm, with_image=case not in ("missing image",))
     assert key in err.value.stderr, err.value.stderr
+
+
+def test_an_image_digest_pins_the_image_by_content():
+    digest = "sha256:" + "ab" * 32
+    sts, job = workloads(render_chart({"image": {"tag": "v1", "digest": digest}}))
+    for workload in (sts, job):
+        assert container(workload)["image"] == f"registry.example.com/ml/deepspeed-train@{digest}"

@@ -77,6 +77,15 @@ BAD = {
                                       ["worker.extraVolumes[1]"]),
     "mount of a missing volume": ({"worker": {"extraVolumeMounts": [{"name": "nope", "mountPath": "/x"}]}},
                                   ["worker.extraVolumeMounts[0]", "nope"]),
+    "checkpoints over /etc": ({"checkpoints": {"mountPath": "/etc"}}, ["checkpoints.mountPath", "/etc"]),
+    "home over the venv": ({"image": {"homeDir": "/opt/venv/home"}}, ["image.homeDir", "/opt/venv"]),
+    "extra mount under /usr": ({"worker": {"extraVolumes": [{"name": "x", "emptyDir": {}}],
+                                           "extraVolumeMounts": [{"name": "x", "mountPath": "/usr/lib/x"}]}},
+                               ["worker.extraVolumeMounts[0].mountPath", "/usr/lib/x"]),
+    "privileged rendezvous port": ({"deepspeed": {"masterPort": 80}}, ["masterPort"]),
+    "empty /dev/shm": ({"worker": {"shmSize": "0"}}, ["shmSize"]),
+    "digest that is no digest": ({"image": {"digest": "latest"}}, ["digest"]),
+    "env that makes shells run code": ({"env": [{"name": "BASH_ENV", "value": "/tmp/x"}]}, ["env[0] (BASH_ENV)"]),
     "ssh port is the rendezvous port": ({"ssh": {"port": 29500}}, ["ssh.port", "deepspeed.masterPort"]),
     # Env
     "duplicate env": ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, ["env[1] (A)"]),
@@ -101,6 +110,7 @@ BAD = {
     "too many workers": ({"worker": {"replicas": 100000}}, ["replicas"]),
     "too many GPUs per worker": ({"worker": {"gpusPerWorker": 1000}}, ["gpusPerWorker"]),
     "replicas as a string": ({"worker": {"replicas": "2"}}, ["replicas"]),
+    "config past the ConfigMap's 1 MiB": ({"train": {"config": {"notes": "x" * 1_100_000}}}, ["1 MiB"]),
     "zero deadline": ({"launcher": {"activeDeadlineSeconds": 0}}, ["activeDeadlineSeconds"]),
     "grace as a string": ({"worker": {"terminationGracePeriodSeconds": "120"}}, ["terminationGracePeriodSeconds"]),
     "tolerations as a string": ({"worker": {"tolerations": "all"}}, ["tolerations"]),
@@ -149,8 +159,10 @@ BAD = {
     "venv_script becomes `source X`": ({"launcher": {"deepspeedArgs": ["--venv_script=/tmp/x"]}},
                                        ["launcher.deepspeedArgs[0]"]),
     "launcher_args": ({"launcher": {"deepspeedArgs": ["--launcher_args=-R ssh"]}}, ["launcher.deepspeedArgs[0]"]),
-    "allowed flag with a shell value": ({"launcher": {"deepspeedArgs": ["--include=$(id)"]}},
+    "allowed flag with a shell value": ({"launcher": {"deepspeedArgs": ["--enable_each_rank_log=$(id)"]}},
                                         ["launcher.deepspeedArgs[0]"]),
+    "runner flag that shrinks the world": ({"launcher": {"deepspeedArgs": ["--num_gpus=1"]}},
+                                           ["launcher.deepspeedArgs[0]", "--num_gpus"]),
     "runner arg that is no flag": ({"launcher": {"deepspeedArgs": ["rm"]}}, ["deepspeedArgs"]),
     "script with a shell": ({"train": {"script": "/code/train.py;id"}}, ["script"]),
     "relative script": ({"train": {"script": "train.py"}}, ["script"]),
@@ -332,9 +344,7 @@ def test_the_chart_knows_the_ds_config_keys_the_python_check_knows():
 
 def test_every_runner_flag_values_may_set_exists_in_deepspeeds_runner():
     from deepspeed.launcher import runner
-    takes_value = {"--include": "h", "--exclude": "h", "--num_nodes": "1", "--num_gpus": "1",
-                   "--num_accelerators": "1", "--bind_core_list": "0", "--enable_each_rank_log": "/ck/logs",
-                   "--log_level": "info"}
+    takes_value = {"--bind_core_list": "0", "--enable_each_rank_log": "/ck/logs", "--log_level": "info"}
     for flag in _helper_list("userRunnerFlags"):
         arg = f"{flag}={takes_value[flag]}" if flag in takes_value else flag
         args = runner.parse_args([arg, "prog.py"])

@@ -56,6 +56,12 @@ BAD = {
     "top level is a string": (write(EXAMPLE, "just text\n"), DEV_EXAMPLE, [EXAMPLE, "expected a mapping"]),
     "values file is a directory": (lambda tree: ((tree / EXAMPLE).unlink(), (tree / EXAMPLE).mkdir()), DEV_EXAMPLE,
                                    [EXAMPLE, "cannot read"]),
+    "boolean key (YAML 1.1 on:)": (write(EXAMPLE, "chart:\n  worker:\n    on: 2\n"), DEV_EXAMPLE,
+                                   [f"{EXAMPLE}:3:5", "'on'", "quote it"]),
+    "numeric key": (write(EXAMPLE, "deploy:\n  1: x\n"), DEV_EXAMPLE, [f"{EXAMPLE}:2:3", "'1'"]),
+    "a link out of values/": (lambda tree: ((tree / EXAMPLE).unlink(), (tree / EXAMPLE).symlink_to("/etc/hostname")),
+                              DEV_EXAMPLE, [EXAMPLE, "links outside values/"]),
+    "huge values file": (write(EXAMPLE, "# " + "x" * 5_000_000 + "\n"), DEV_EXAMPLE, [EXAMPLE, "bytes"]),
     # platform-only keys and isolation between projects
     "project empties the prod allow-list": (set_key("projects/example/values.yaml", "deploy", "kubeContexts", []),
                                             ["--env", "prod", "--project", "example"],
@@ -123,6 +129,8 @@ BAD = {
         ["values/dev.yaml", "gradient_clipping is nan"]),
     "auto without a program that fills it": (set_key("dev.yaml", "deepspeed", "overrides", {
         "gradient_clipping": "auto"}), DEV, ["values/dev.yaml", "gradient_clipping", "fillsDsConfigAuto"]),
+    "fp16 on CPU ranks": (set_key("dev.yaml", "deepspeed", "overrides", {"fp16": {"enabled": True}}), DEV,
+                          ["gpuResourceName", "values/dev.yaml", "fp16.enabled"]),
     "train config step count as text": (set_key("dev.yaml", "chart", "train", "config", "steps", "40"), DEV,
                                         ["values/dev.yaml", "steps"]),
 }

@@ -64,6 +64,8 @@ BAD = {
                  ["ds.json", "Infinity"]),
     "-Infinity": (lambda t: ds(t, text='{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", '
                                        '"params": {"lr": -Infinity}}}'), ["ds.json", "-Infinity"]),
+    "ds_config is a device": (lambda t: ["--ds-config", "/dev/zero"], ["/dev/zero", "not a regular file"]),
+    "huge ds_config": (lambda t: ds(t, text='{"a": "' + "x" * 5_000_000 + '"}'), ["ds.json", "bytes"]),
     "nested too deeply": (lambda t: ds(t, text='{"a": ' + "[" * 100000 + "]" * 100000 + "}"), ["ds.json"]),
     # what DeepSpeed would ignore, drop or crash on
     "unknown top-level key": (lambda t: ds(t, with_(trian_batch_size=8)), ["ds.json", "'trian_batch_size'"]),
@@ -119,6 +121,11 @@ BAD = {
     "comms logger, even disabled": (lambda t: ds(t, with_(comms_logger={"enabled": False})),
                                     ["ds.json", "comms_logger"]),
     "ZeRO stage 7": (lambda t: ds(t, with_(zero_optimization={"stage": 7})), ["ds.json", "stage"]),
+    "negative learning rate": (lambda t: ds(t, with_(optimizer={"type": "AdamW", "params": {
+        "lr": -1e-3, "torch_adam": True}})), ["ds.json", "optimizer AdamW refuses", "learning rate"]),
+    "beta out of range in a fused Adam": (lambda t: ds(t, with_(optimizer={"type": "Adam", "params": {
+        "betas": [0.9, 1.5]}})), ["ds.json", "optimizer Adam refuses", "beta"]),
+    "fp16 on CPU ranks": (lambda t: ds(t, with_(fp16={"enabled": True})), ["ds.json", "fp16.enabled", "cpu"]),
     "fp16 and bf16 together": (lambda t: ds(t, with_(fp16={"enabled": True}, bf16={"enabled": True})),
                                ["ds.json", "DeepSpeed rejects it"]),
     # the train config file
@@ -128,6 +135,8 @@ BAD = {
     "train config duplicate key": (lambda t: ds(t, OK) + cfg_file(t, text="steps: 5\nsteps: 6\n"),
                                    ["train.yaml:2:1", "duplicate key 'steps'"]),
     "train config alias bomb": (lambda t: ds(t, OK) + cfg_file(t, text=ALIAS_BOMB), ["train.yaml", "expands to more"]),
+    "train config key that YAML reads as a boolean": (lambda t: ds(t, OK) + cfg_file(t, text="on: 5\n"),
+                                                      ["train.yaml:1:1", "'on'", "quote it"]),
     "train config is a list": (lambda t: ds(t, OK) + cfg_file(t, text="- 1\n"), ["train.yaml", "mapping"]),
     "train config steps as text": (lambda t: ds(t, OK) + cfg_file(t, text="steps: ten\n"), ["train.yaml", "steps"]),
     "train config NaN dropout": (lambda t: ds(t, OK) + cfg_file(t, text="model: {dropout: .nan}\n"),
@@ -167,3 +176,12 @@ def test_python_m_train_exits_2_with_one_error_line_and_no_traceback(tmp_path, c
     errors = [line for line in output.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and all(text in errors[0] for text in REAL[case]), output[-3000:]
     assert "Traceback" not in output
+
+
+def test_a_rank_refuses_a_world_smaller_than_the_chart_asked_for(tmp_path):
+    """A launcher that lost a worker (or GPUs) must not "complete" on fewer ranks (kubeflow/trainer#4028)."""
+    result = run_single([*TINY, *ds(tmp_path, OK), "--steps", "3"], DS_WORLD_SIZE="2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "world size 1, but the chart runs 2 ranks (DS_WORLD_SIZE" in output
+    assert "step 1/" not in output

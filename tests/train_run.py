@@ -66,10 +66,11 @@ def run_train(args: list[str], ranks: int = 2, timeout: float = 240) -> subproce
     return subprocess.CompletedProcess(process.args, process.returncode, out)
 
 
-def run_single(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+def run_single(args: list[str], timeout: float = 120, **env_extra: str) -> subprocess.CompletedProcess:
     """One rank without the launcher (`python -m train` with a world of 1): fast, for error paths."""
     env = train_env()
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               **env_extra)
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -17,6 +17,8 @@ import json
 import math
 from pathlib import Path
 
+from train import yamlfile
+
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the section configs it builds).
 TOP_LEVEL_KEYS = frozenset({
     "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
@@ -58,11 +60,9 @@ def load(path: str | Path) -> dict:
     """The ds_config file as DeepSpeed's loader reads it, but stricter: duplicate keys (DeepSpeed refuses
     them; json.loads keeps the last), NaN/Infinity and non-UTF-8 bytes are errors naming the file."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as err:
-        raise DsConfigError(f"ds_config {path}: cannot read: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise DsConfigError(f"ds_config {path}: not UTF-8 text (byte {err.start}): expected a JSON file") from None
+        text = yamlfile.read_text(Path(path))
+    except ValueError as err:
+        raise DsConfigError(f"ds_config {path}: {err}; expected a JSON file") from None
 
     def no_duplicates(pairs):
         keys = [key for key, _ in pairs]
@@ -179,6 +179,15 @@ def validate(config: dict, world_size: int, source: str, *, fills_auto: bool = F
     _check_scheduler(config, source)
     _deepspeed_parse(config, sizes, source)
     return sizes
+
+
+def check_precision(config: dict, accelerator, source: str) -> None:
+    """fp16/bf16 the ranks' accelerator cannot run (DeepSpeed's CPU accelerator has no fp16): refused before
+    every rank would fail in deepspeed.initialize."""
+    for section, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        if config.get(section, {}).get("enabled") is True and not supported():
+            raise DsConfigError(f"ds_config {source}: {section}.enabled: the {accelerator.device_name()} accelerator "
+                                f"of these ranks does not support {section}; turn it off or use GPU workers")
 
 
 def _check_runtime_settings(config: dict, source: str) -> None:
@@ -333,8 +342,26 @@ def _check_optimizer(config: dict, source: str) -> None:
         if flag in params and params[flag] != AUTO and not isinstance(params[flag], bool):
             raise DsConfigError(f"ds_config {source}: optimizer.params.{flag} must be true or false, "
                                 f"got {params[flag]!r}")
-    _bind({k: v for k, v in params.items() if k not in passed}, target, f"optimizer {name} -> "
-          f"{target.__module__}.{target.__name__}", "optimizer.params", source, passed=passed, required=False)
+    own = {k: v for k, v in params.items() if k not in passed}
+    _bind(own, target, f"optimizer {name} -> {target.__module__}.{target.__name__}", "optimizer.params", source,
+          passed=passed, required=False)
+    if not auto_keys(own):
+        _probe_optimizer(target, own, name, source)
+
+
+def _probe_optimizer(target, params: dict, name: str, source: str) -> None:
+    """The value checks a constructor makes (lr >= 0, betas in [0, 1), ...), on a stand-in parameter: torch's
+    own class, or for DeepSpeed's fused and CPU optimizers (whose construction builds ops) torch's AdamW with
+    the settings they share."""
+    import torch
+    if not target.__module__.startswith("torch."):
+        target, params = torch.optim.AdamW, {k: v for k, v in params.items()
+                                             if k in ("lr", "betas", "eps", "weight_decay")}
+    try:
+        target([torch.nn.Parameter(torch.zeros(1))], **params)
+    except Exception as err:
+        raise DsConfigError(f"ds_config {source}: optimizer {name} refuses optimizer.params: "
+                            f"{type(err).__name__}: {' '.join(str(err).split())}") from None
 
 
 def _check_scheduler(config: dict, source: str) -> None:

@@ -68,6 +68,7 @@ class Inputs:
 def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
     ds_config = dsconfig.load(cfg.ds_config)
     batch = dsconfig.validate(ds_config, world_size, cfg.ds_config)
+    dsconfig.check_precision(ds_config, get_accelerator(), cfg.ds_config)
     if cfg.checkpoint_dir:
         checkpoint.check_writable(Path(cfg.checkpoint_dir))
     return Inputs(ds_config, batch, make_data(cfg.data, cfg.model, rank, world_size, batch[0]))
@@ -189,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if dist.get_world_size() != world_size:
             raise ConfigError(f"WORLD_SIZE {world_size} but the process group has {dist.get_world_size()} ranks")
+        expected = int(os.environ.get("DS_WORLD_SIZE", world_size))  # the chart's workers x gpusPerWorker
+        if world_size != expected:  # a job that "completes" on fewer ranks than it was given is a failure
+            raise ConfigError(f"world size {world_size}, but the chart runs {expected} ranks (DS_WORLD_SIZE: "
+                              "worker.replicas x worker.gpusPerWorker): a worker or its GPUs are missing")
         status = train(cfg, inputs, dist.get_rank(), world_size, stop)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's

@@ -7,6 +7,7 @@ import yaml
 
 MAX_NODES = 100_000  # an alias bomb expands past this long before it could be a real config file
 MAX_DEPTH = 64
+MAX_BYTES = 4 * 1024 * 1024  # hand-written configs are kilobytes; a device or a huge file never gets read whole
 
 
 class YamlFileError(ValueError):
@@ -22,6 +23,10 @@ class _StrictLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str):  # `on:`/`yes:` are booleans in YAML 1.1, `1:` a number
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key_node.value!r} is read as {type(key).__name__}, not text: quote it",
+                    key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
@@ -48,15 +53,28 @@ def _expanded_size(node, memo: dict, depth: int = 0) -> int:
     return size
 
 
+def read_text(path: Path, limit: int = MAX_BYTES) -> str:
+    """A regular file's UTF-8 text, at most `limit` bytes; ValueError saying what is wrong otherwise."""
+    try:
+        if not path.is_file():
+            raise ValueError("cannot read: " + ("not a regular file" if path.exists() else "no such file"))
+        size = path.stat().st_size
+        if size > limit:
+            raise ValueError(f"{size:,} bytes; a config file is expected to be under {limit:,}")
+        return path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ValueError(f"cannot read: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"byte {err.start}: not UTF-8 text") from None
+
+
 def load_mapping(path: Path, name: str | None = None) -> dict:
     """The YAML (or JSON) mapping in `path`; {} for an empty file. `name` is how errors call the file."""
     name = name or str(path)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as err:
-        raise YamlFileError(f"{name}: cannot read: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise YamlFileError(f"{name}: byte {err.start}: not UTF-8 text; expected YAML or JSON") from None
+        text = read_text(Path(path))
+    except ValueError as err:
+        raise YamlFileError(f"{name}: {err}") from None
     loader = None
     try:
         loader = _StrictLoader(text)  # its reader refuses control characters at once

@@ -1,28 +1,36 @@
-"""Cluster tier: installs the chart on a real Kubernetes cluster and waits for the launcher Job to succeed.
+"""Cluster tier: the chart on a real Kubernetes (`make test-cluster`: the one-node cluster of ../shared/k8s, or
+any cluster through KUBECONFIG + DS_IMAGE). What the netns tier cannot see: the kubelet applying securityContext
+and probes, the Job and StatefulSet controllers, cluster DNS, the scale-down through the API.
 
-Runs only when KUBECONFIG points at a reachable cluster and DS_IMAGE names the CPU image the cluster can pull
-(kind: `make image` then `kind load docker-image $DS_IMAGE`; see the README's "Testing on kind"). CPU
-workers are enough. Elsewhere it skips with the reason; the e2e tier runs the same rendered pods without a
-cluster.
+Each test installs into a namespace of its own, with values sized for a 2-CPU node
+(charts/deepspeed-training/ci/09-small-node-values.yaml). Elsewhere it skips with the reason.
 """
 
+import json
 import os
 import subprocess
+import tempfile
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.helm_template import CHART, HELM
+from tests.train_run import cpu_ds_config
 
 KUBECONFIG, IMAGE = os.environ.get("KUBECONFIG", ""), os.environ.get("DS_IMAGE", "")
+SMALL_NODE = CHART / "ci" / "09-small-node-values.yaml"
+RELEASE = "ci"
+LAUNCHER = f"{RELEASE}-deepspeed-training-launcher-1"  # one Job per Helm revision
+WORKERS = f"{RELEASE}-deepspeed-training-worker"
 
 
 def skip_reason() -> str | None:
     if not KUBECONFIG or not Path(KUBECONFIG).is_file():
-        return "no cluster: KUBECONFIG is not set to a kubeconfig file (kind: `kind create cluster`)"
+        return "no cluster: `make test-cluster` brings one up (root, ../shared/k8s), or set KUBECONFIG and DS_IMAGE"
     if not IMAGE:
-        return "DS_IMAGE is not set: build the CPU image (make image) and load it into the cluster"
+        return "DS_IMAGE is not set: the CPU image (make image) loaded into the cluster"
     if HELM is None:
         return "no helm binary; run `make setup`"
     probe = subprocess.run(["kubectl", "cluster-info", "--request-timeout=5s"], capture_output=True, text=True)
@@ -35,23 +43,153 @@ REASON = skip_reason()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 
-def test_the_chart_trains_on_a_cluster(kube_cluster, namespace_factory):
-    from pytest_helm_charts.k8s.job import wait_for_jobs_to_complete
+def kubectl(*args: str, namespace: str, check: bool = True, timeout: float = 60) -> str:
+    proc = subprocess.run(["kubectl", "--namespace", namespace, *args], capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
+    return proc.stdout
 
-    namespace = namespace_factory(f"ds-test-{uuid.uuid4().hex[:6]}").metadata["name"]
+
+def get(kind: str, name: str, namespace: str) -> dict:
+    return json.loads(kubectl("get", kind, name, "-o", "json", namespace=namespace))
+
+
+def wait_for(predicate, timeout: float, what: str, diagnose=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
+
+
+def job_outcome(namespace: str) -> str | None:
+    """"Complete" or "Failed" once the Job has that condition, wherever it stands in the list (Kubernetes >= 1.31
+    lists SuccessCriteriaMet first; pytest-helm-charts 1.3.5's wait reads only the first condition)."""
+    conditions = get("job", LAUNCHER, namespace).get("status", {}).get("conditions", [])
+    done = [c["type"] for c in conditions if c["type"] in ("Complete", "Failed") and c["status"] == "True"]
+    return done[0] if done else None
+
+
+def diagnose(namespace: str) -> str:
+    pods = kubectl("get", "pods", "-o", "wide", namespace=namespace, check=False)
+    events = kubectl("get", "events", "--sort-by=.lastTimestamp", namespace=namespace, check=False)
+    logs = kubectl("logs", f"job/{LAUNCHER}", "--tail=60", namespace=namespace, check=False)
+    return f"{pods}\n{events[-3000:]}\n{logs}"
+
+
+def launcher_logs(namespace: str) -> str:
+    """Every launcher pod's log, oldest first."""
+    pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
+                              namespace=namespace))["items"]
+    pods.sort(key=lambda p: p["metadata"]["creationTimestamp"])
+    return "\n".join(kubectl("logs", p["metadata"]["name"], namespace=namespace, check=False) for p in pods)
+
+
+def worker_exec(namespace: str, ordinal: int, *argv: str, check: bool = True) -> str:
+    return kubectl("exec", f"{WORKERS}-{ordinal}", "-c", "worker", "--", *argv, namespace=namespace, check=check)
+
+
+@pytest.fixture
+def namespace(namespace_factory_function_scope) -> str:
+    return namespace_factory_function_scope(f"ds-{uuid.uuid4().hex[:8]}").metadata["name"]
+
+
+@pytest.fixture
+def shared_claim(namespace) -> str:
+    """A ReadWriteMany PVC named "checkpoints": local-k8s's, or one of DS_RWX_STORAGE_CLASS elsewhere."""
+    if os.environ.get("LOCAL_K8S"):
+        subprocess.run([os.environ["LOCAL_K8S"], "pvc", os.environ["LOCAL_K8S_STATE"], namespace, "checkpoints",
+                        "1Gi"], check=True, capture_output=True)
+    elif os.environ.get("DS_RWX_STORAGE_CLASS"):
+        claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "checkpoints"},
+                 "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": os.environ["DS_RWX_STORAGE_CLASS"],
+                          "resources": {"requests": {"storage": "1Gi"}}}}
+        subprocess.run(["kubectl", "-n", namespace, "apply", "-f", "-"], input=json.dumps(claim), text=True,
+                       check=True, capture_output=True)
+    else:
+        pytest.skip("needs a ReadWriteMany volume: the local cluster makes one; elsewhere set DS_RWX_STORAGE_CLASS")
+    return "checkpoints"
+
+
+def install(namespace: str, steps: int, **values) -> None:
     repository, _, tag = IMAGE.rpartition(":")
-    release = "smoke"
-    subprocess.run([HELM, "install", release, str(CHART), "--namespace", namespace,
-                    "-f", str(CHART / "ci" / "02-cpu-only-values.yaml"), "--set", f"image.repository={repository}",
-                    "--set", f"image.tag={tag}", "--set", "image.pullPolicy=IfNotPresent",
-                    "--set", "train.config.steps=20"], check=True)
-    try:
-        launcher = f"{release}-deepspeed-training-launcher-1"  # per Helm revision
-        wait_for_jobs_to_complete(kube_cluster.kube_client, [launcher], namespace, timeout_sec=900)
-        logs = kube_cluster.kubectl(f"logs job/{launcher}", namespace=namespace, output_format="")
-        assert "wait-for-workers: all 2 workers are reachable" in logs
-        assert "INFO step 20/20" in logs
-        scale = kube_cluster.kubectl(f"get statefulset {release}-deepspeed-training-worker", namespace=namespace)
-        assert scale["spec"]["replicas"] == 0  # scaled down by the launcher after success
-    finally:
-        subprocess.run([HELM, "uninstall", release, "--namespace", namespace], check=False)
+    layer = {"image": {"repository": repository, "tag": tag, "pullPolicy": "IfNotPresent"},
+             "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
+             "train": {"config": {"steps": steps, "log_every": 5, "checkpoint_every": 10, "dist_timeout_s": 30,
+                                  "model": {"n_layer": 2, "d_model": 64, "seq_len": 32},
+                                  **values.pop("train_config", {})}}}
+    layer.update(values)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(layer, f)
+        f.flush()
+        subprocess.run([HELM, "install", RELEASE, str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
+                        "-f", f.name], check=True, capture_output=True, text=True)
+
+
+def latest_checkpoint(namespace: str) -> str:
+    return worker_exec(namespace, 0, "cat", "/checkpoints/latest", check=False).strip()
+
+
+def test_install_trains_to_completion_with_restricted_pods_and_scales_down(namespace):
+    install(namespace, steps=60)
+    # While the workers run: what the kubelet made of the pod specs.
+    for ordinal in (0, 1):
+        wait_for(lambda o=ordinal: any(c["type"] == "Ready" and c["status"] == "True" for c in get(
+            "pod", f"{WORKERS}-{o}", namespace).get("status", {}).get("conditions", [])), 240,
+            f"worker {ordinal} Ready (its sshd readiness probe)", lambda: diagnose(namespace))
+        assert worker_exec(namespace, ordinal, "id", "-u").strip() == "10001"
+        denied = subprocess.run(["kubectl", "-n", namespace, "exec", f"{WORKERS}-{ordinal}", "--", "touch",
+                                 "/probe"], capture_output=True, text=True)
+        assert denied.returncode != 0 and "Read-only file system" in denied.stderr
+        assert worker_exec(namespace, ordinal, "ls", "/var/run/secrets/kubernetes.io", check=False) == ""
+    outcome = wait_for(lambda: job_outcome(namespace), 300, "the launcher Job to finish", lambda: diagnose(namespace))
+    logs = kubectl("logs", f"job/{LAUNCHER}", namespace=namespace)
+    assert outcome == "Complete", diagnose(namespace)
+    assert "wait-for-workers: all 2 workers are reachable" in logs
+    assert "INFO step 60/60" in logs
+    job = get("job", LAUNCHER, namespace)
+    assert job["status"].get("succeeded") == 1 and not job["status"].get("failed")
+    launcher_pod = job["spec"]["template"]["spec"]
+    assert launcher_pod["automountServiceAccountToken"] is True  # the only token: the scale-down's
+    wait_for(lambda: get("statefulset", WORKERS, namespace)["spec"]["replicas"] == 0, 60,
+             "the launcher to scale the workers to 0")
+
+
+def test_a_killed_rank_fails_the_attempt_and_the_retry_resumes(namespace, shared_claim):
+    install(namespace, steps=150, train_config={"checkpoint_every": 10}, checkpoints={"existingClaim": shared_claim},
+            launcher={"scaleDownWorkers": False})
+    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000020", 300, "checkpoint 20",
+             lambda: diagnose(namespace))
+    worker_exec(namespace, 1, "pkill", "-KILL", "-f", "--", "--local_rank=")
+    outcome = wait_for(lambda: job_outcome(namespace), 400, "the retried Job to finish", lambda: diagnose(namespace))
+    logs = launcher_logs(namespace)
+    assert outcome == "Complete", diagnose(namespace)
+    job = get("job", LAUNCHER, namespace)
+    assert job["status"].get("failed") == 1 and job["status"].get("succeeded") == 1
+    resumed = [line for line in logs.splitlines() if "resumed from /checkpoints/step_" in line]
+    assert resumed and int(resumed[-1].split("step_")[1].split()[0]) >= 20, logs[-4000:]
+    assert "INFO step 150/150" in logs
+    complete = worker_exec(namespace, 0, "python3", "-c", "from pathlib import Path; from train import checkpoint "
+                           "as c; d = Path('/checkpoints'); print(all(c.is_complete(t) for t in "
+                           "c.tags_newest_first(d)), c.tags_newest_first(d)[0].name)")
+    assert complete.strip().splitlines()[-1].split() == ["True", "step_00000150"]  # after DeepSpeed's warnings
+
+
+def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resumes(namespace, shared_claim):
+    # No periodic checkpoints: any checkpoint is the one the ranks wrote on SIGTERM.
+    install(namespace, steps=100000, train_config={"checkpoint_every": 0}, checkpoints={"existingClaim": shared_claim},
+            launcher={"scaleDownWorkers": False, "backoffLimit": 2})
+    wait_for(lambda: "INFO step 20/" in kubectl("logs", f"job/{LAUNCHER}", namespace=namespace, check=False), 300,
+             "training to reach step 20", lambda: diagnose(namespace))
+    first = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
+                               namespace=namespace))["items"][0]["metadata"]["name"]
+    kubectl("delete", "pod", first, "--wait=true", namespace=namespace, timeout=240)
+    saved = wait_for(lambda: latest_checkpoint(namespace), 30, "the checkpoint written on SIGTERM")
+    retry_log = wait_for(lambda: "resumed from" in (log := kubectl("logs", f"job/{LAUNCHER}", namespace=namespace,
+                                                                   check=False)) and log, 240,
+                         "a new launcher attempt to resume", lambda: diagnose(namespace))
+    assert f"resumed from /checkpoints/{saved} at step {int(saved.removeprefix('step_'))}" in retry_log
+    kubectl("scale", "statefulset", WORKERS, "--replicas=0", namespace=namespace)  # end the endless run

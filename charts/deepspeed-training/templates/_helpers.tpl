@@ -68,7 +68,11 @@ app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{- define "deepspeed-training.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/* Where the ConfigMaps and the Secret are mounted; files/*.sh read these paths. */}}
@@ -203,6 +207,8 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . | quote
   value: {{ include "deepspeed-training.workerDomain" . | quote }}
 - name: DS_SSH_PORT
   value: {{ .Values.ssh.port | quote }}
+- name: DS_WORLD_SIZE
+  value: {{ mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) | quote }}
 {{- range $name, $path := dict "DS_CONFIG_PATH" "ds_config" "DS_TRAIN_CONFIG_PATH" "train_config" "DS_CHECKPOINT_DIR" "checkpoint_dir" "DS_DATA_DIR" "data_dir" }}
 - name: {{ $name }}
   value: {{ get (include "deepspeed-training.programPaths" $ | fromJson) $path | quote }}

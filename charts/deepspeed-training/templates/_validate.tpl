@@ -25,6 +25,10 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- fail "serviceAccount.name: \"default\" with launcher.scaleDownWorkers would give every pod of the namespace the permission to scale this release's workers; use serviceAccount.create=true or a dedicated ServiceAccount" }}
 {{- end }}
 {{- end }}
+{{- $config := include (print $.Template.BasePath "/configmap.yaml") . | fromYaml }}
+{{- if gt (len (toJson $config.data)) 1000000 }}
+{{- fail (printf "the config ConfigMap (ds_config, train config, hostfile of %d workers) would be %d bytes; Kubernetes stores at most 1 MiB: use fewer workers or move large settings into a file on the data volume" (int .Values.worker.replicas) (len (toJson $config.data))) }}
+{{- end }}
 {{- $relaxations := include "deepspeed-training.securityRelaxations" . | trim }}
 {{- if and $relaxations (not .Values.allowSecurityRelaxations) }}
 {{- fail (printf "these values relax the chart's security defaults (restricted Pod Security, NetworkPolicy): %s. Set allowSecurityRelaxations: true to accept them; `make plan` and the dry run then list them as warnings" (splitList "\n" $relaxations | join "; ")) }}
@@ -44,11 +48,11 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- end }}
 
 {{/*
-Env names the chart or DeepSpeed's launcher sets; a user value would override them silently (or be
-overridden by them).
+Env names the chart or DeepSpeed's launcher sets (a user value would override them silently, or be
+overridden by them), and those that make the ranks' shells run code or parse commands differently.
 */}}
 {{- define "deepspeed-training.reservedEnvNames" -}}
-{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" | toJson }}
+{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
 {{- end }}
 
 {{- define "deepspeed-training.validateEnv" -}}
@@ -101,6 +105,9 @@ overridden by them).
 {{- end }}
 {{- range $paths }}
 {{- $path := clean (index . 1) }}
+{{- if and (not (hasPrefix "(chart)" (index . 0))) (regexMatch "^/(etc|usr|bin|sbin|lib|lib32|lib64|libx32|proc|sys|dev|run|var/run|boot|opt/venv)(/|$)" $path) }}
+{{- fail (printf "%s: %s would hide a system directory of the image (/etc, /usr, /bin, /lib, /proc, /sys, /dev, /run, /opt/venv ...) and break every pod; choose another path" (index . 0) $path) }}
+{{- end }}
 {{- if hasKey $mounts $path }}
 {{- fail (printf "%s and %s both mount at %s; each mount needs its own path" (get $mounts $path) (index . 0) $path) }}
 {{- end }}
@@ -154,11 +161,12 @@ them (a later duplicate key would win and move a pod out of its release or into 
 
 {{/*
 `deepspeed` runner flags values may pass (as `--flag` or `--flag=value`). Left out on purpose: what the chart
-sets (--hostfile, --launcher, --ssh_port, --master_addr, --master_port, --module, --no_ssh*, --force_multi)
-and what DeepSpeed pastes into the remote shell as code (--launcher_args, --venv_script).
+sets (--hostfile, --launcher, --ssh_port, --master_addr, --master_port, --module, --no_ssh*), what would run
+on fewer ranks than workers x gpusPerWorker (--include, --exclude, --num_nodes, --num_gpus) and what DeepSpeed
+pastes into the remote shell as code (--launcher_args, --venv_script).
 */}}
 {{- define "deepspeed-training.userRunnerFlags" -}}
-{{- list "--include" "--exclude" "--num_nodes" "--num_gpus" "--num_accelerators" "--bind_cores_to_rank" "--bind_core_list" "--enable_each_rank_log" "--no_local_rank" "--save_pid" "--log_level" "--quiet" "--force_multi" | toJson }}
+{{- list "--bind_cores_to_rank" "--bind_core_list" "--enable_each_rank_log" "--no_local_rank" "--save_pid" "--log_level" "--quiet" "--force_multi" | toJson }}
 {{- end }}
 
 {{/*
