@@ -10,10 +10,11 @@ saved to --save_dir (default: $DS_CHECKPOINT_DIR, set by the chart on every rank
 
 import argparse
 import os
-import sys
 
 import deepspeed
 import torch
+
+from train.main import exit_cleanly  # the train package is in every image of the chart
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,4 +51,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_cleanly(main())

@@ -11,13 +11,14 @@ dir. On rank 0 the loss history goes to <output_dir>/log_history.json.
 """
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, HfArgumentParser, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
+
+from train.main import exit_cleanly  # the train package is in every image of the chart
 
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. " * 400
 
@@ -65,4 +66,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_cleanly(main())

@@ -33,6 +33,7 @@ VALUES, TEMPLATES, BUILD = ROOT / "values", ROOT / "templates", ROOT / "build"
 CHART = ROOT / "charts" / "deepspeed-training"
 SETTINGS_SCHEMA = Path(__file__).with_name("settings.schema.json")
 CHART_DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+CHART_NAME = yaml.safe_load((CHART / "Chart.yaml").read_text())["name"]
 IMAGE_EXAMPLES = "/opt/deepspeed-examples"  # where docker/Dockerfile.hf puts examples/; the demo runs them from here
 
 
@@ -155,7 +156,7 @@ def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
 
 
 def release_of(settings: dict, project: str | None) -> str:
-    return settings["deploy"].get("release") or project or "deepspeed-training"
+    return settings["deploy"].get("release") or project or CHART_NAME
 
 
 def check_release_is_unique(settings: dict, origin: dict, env: str, project: str | None) -> None:
@@ -189,20 +190,21 @@ def runs_train_package(effective: dict) -> bool:
         train["argsConvention"] == "train"
 
 
-def render_ds_config(settings: dict, origin: dict, world_size: int, steps: int, fills_auto: bool
-                     ) -> tuple[dict, tuple]:
+def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int) -> tuple[dict, tuple]:
     """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked."""
     ds = settings["deepspeed"]
-    chart = settings["chart"]
-    workers, gpus = chart["worker"]["replicas"], chart["worker"]["gpusPerWorker"]
+    workers, gpus = effective["worker"]["replicas"], effective["worker"]["gpusPerWorker"]
+    world_size = workers * gpus
     micro = ds["microBatch"]
-    if ds.get("globalBatch"):
-        accum, rest = divmod(ds["globalBatch"], micro * world_size)
-        if rest or accum == 0:
+    if ds.get("globalBatch"):  # the accumulation, completed as DeepSpeed (and train/dsconfig.py) does
+        try:
+            _, accum, _ = dsconfig.batch_sizes({"train_micro_batch_size_per_gpu": micro,
+                                                "train_batch_size": ds["globalBatch"]}, world_size, "")
+        except dsconfig.DsConfigError:
             raise DeployError(
                 f"{source_of(origin, ('deepspeed', 'globalBatch'))}: deepspeed.globalBatch {ds['globalBatch']} must "
                 f"be a multiple of deepspeed.microBatch {micro} x world size {world_size} "
-                f"({workers} workers x {gpus} GPUs)")
+                f"({workers} workers x {gpus} GPUs)") from None
     else:
         accum = ds["gradientAccumulation"]
     variables = {"micro_batch": micro, "gradient_accumulation": accum, "global_batch": micro * accum * world_size,
@@ -223,7 +225,7 @@ def render_ds_config(settings: dict, origin: dict, world_size: int, steps: int, 
     ds_source = f"templates/{template}" + (
         f" + deepspeed.overrides from {', '.join(override_files)}" if overrides else "")
     try:
-        batch = dsconfig.validate(ds_config, world_size, ds_source, fills_auto=fills_auto)
+        batch = dsconfig.validate(ds_config, world_size, ds_source, fills_auto=effective["train"]["fillsDsConfigAuto"])
     except dsconfig.DsConfigError as err:
         raise DeployError(str(err)) from None
     return ds_config, batch
@@ -256,7 +258,7 @@ def build(env: str, project: str | None) -> Rendered:
             raise DeployError(f"{', '.join(files)}: {err}") from None
     else:
         steps = train_config.get("steps", TrainConfig.steps)
-    ds_config, batch = render_ds_config(settings, origin, world_size, steps, effective["train"]["fillsDsConfigAuto"])
+    ds_config, batch = render_ds_config(settings, origin, effective, steps)
     if not effective["worker"]["gpuResourceName"]:  # CPU ranks: what DeepSpeed's CPU accelerator can run
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
         where = (f"templates/ds_config/{settings['deepspeed']['preset']}.json.j2 with chart.worker.gpuResourceName "
@@ -278,6 +280,7 @@ def write(r: Rendered) -> None:
     r.out.mkdir(parents=True, exist_ok=True)
     values = render(TEMPLATES, "values.yaml.j2", {
         "env": r.env, "project": r.project, "sources": r.sources, "chart": r.chart, "world_size": r.world_size,
+        "workers": r.effective["worker"]["replicas"], "gpus": r.effective["worker"]["gpusPerWorker"],
         "batch": [("auto" if n is None else n) for n in r.batch], "preset": r.settings["deepspeed"]["preset"]})
     (r.out / "values.yaml").write_text(values)
     (r.out / "ds_config.json").write_text(json.dumps(r.ds_config, indent=2) + "\n")

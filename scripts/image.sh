@@ -10,7 +10,7 @@ cd "$root"
 VARIANT="${VARIANT:-cpu}"
 IMAGE_NAME="${IMAGE_NAME:-deepspeed-train}"
 IMAGE_TAG="${IMAGE_TAG:-0.1.0-$VARIANT}"
-TORCH_VERSION=2.13.0
+read -r TORCH_VERSION DEEPSPEED_VERSION < <(python3 scripts/pins.py torch deepspeed)
 log() { echo "image: $*"; }
 
 engine() {
@@ -72,7 +72,8 @@ build() {
   if [[ "$tool" == podman ]]; then args+=(--format docker); fi
   if [[ "$tool" == podman ]] && podman image exists debian:bookworm-slim; then args+=(--pull=never); fi
   log "$tool build $IMAGE_NAME:$IMAGE_TAG (VARIANT=$VARIANT)"
-  "$tool" build -f docker/Dockerfile --build-arg "VARIANT=$VARIANT" "${args[@]}" -t "$IMAGE_NAME:$IMAGE_TAG" .
+  "$tool" build -f docker/Dockerfile --build-arg "VARIANT=$VARIANT" --build-arg "TORCH_VERSION=$TORCH_VERSION" \
+    --build-arg "DEEPSPEED_VERSION=$DEEPSPEED_VERSION" "${args[@]}" -t "$IMAGE_NAME:$IMAGE_TAG" .
   rm -f docker/wheels/*.whl
 }
 

@@ -41,8 +41,9 @@ if [[ ! -f "$stamp" ]]; then
   fi
   [[ -x .venv/bin/python ]] || "$python" -m venv .venv
   pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-  "${pip[@]}" torch==2.13.0
-  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation deepspeed==0.19.8
+  read -r torch_version deepspeed_version < <("$python" scripts/pins.py torch deepspeed)
+  "${pip[@]}" "torch==$torch_version"
+  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation "deepspeed==$deepspeed_version"
   "${pip[@]}" -e '.[dev]'
   rm -f .venv/.installed-*
   touch "$stamp"

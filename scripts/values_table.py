@@ -1,7 +1,8 @@
-"""The chart README's values table, generated from the `# --` comments in values.yaml (helm-docs style).
+"""The `# --` comments in values.yaml (helm-docs style) are the one description of each value: this writes
+them into the chart README's values table and into values.schema.json's `description`s.
 
-    python scripts/values_table.py           # rewrite the table in charts/deepspeed-training/README.md
-    python scripts/values_table.py --check   # exit 1 if the README's table is stale
+    python scripts/values_table.py           # rewrite both
+    python scripts/values_table.py --check   # exit 1 if either is stale
 """
 
 import argparse
@@ -57,6 +58,17 @@ def table(values_yaml: str) -> str:
     return "\n".join(rows)
 
 
+def schema_with_descriptions(schema: dict, docs: dict[str, str]) -> dict:
+    """`schema` with each documented key's description set from its `# --` comment."""
+    schema = json.loads(json.dumps(schema))
+    for path, text in docs.items():
+        node = schema
+        for key in path.split("."):
+            node = node["properties"][key]
+        node["description"] = text
+    return schema
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
@@ -64,13 +76,21 @@ def main() -> int:
     readme = CHART / "README.md"
     text = readme.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    fresh = text[:start] + "\n" + table((CHART / "values.yaml").read_text()) + "\n" + text[end:]
+    values_yaml = (CHART / "values.yaml").read_text()
+    fresh = text[:start] + "\n" + table(values_yaml) + "\n" + text[end:]
+    schema_path = CHART / "values.schema.json"
+    schema_text = schema_path.read_text()
+    fresh_schema = json.dumps(schema_with_descriptions(json.loads(schema_text), documented_keys(values_yaml)),
+                              indent=2) + "\n"
     if args.check:
-        if fresh != text:
-            print(f"{readme}: the values table is stale; run `python scripts/values_table.py`", file=sys.stderr)
+        stale = [str(p) for p, old, new in ((readme, text, fresh), (schema_path, schema_text, fresh_schema))
+                 if old != new]
+        if stale:
+            print(f"{', '.join(stale)}: stale descriptions; run `python scripts/values_table.py`", file=sys.stderr)
             return 1
         return 0
     readme.write_text(fresh)
+    schema_path.write_text(fresh_schema)
     return 0
 
 

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 
 from tests.glue_tree import tree  # noqa: F401  (the fixture, for every test module)
+from train.main import SHM_BUFFER_NAME
 
 SHM = Path("/dev/shm")
-PATTERN = "deepspeed_allreduce_buffer_*"
+PATTERN = f"{SHM_BUFFER_NAME}_*"
 
 
 @pytest.fixture(scope="session", autouse=True)

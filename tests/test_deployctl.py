@@ -25,7 +25,7 @@ def test_every_shipped_env_renders_values_that_helm_accepts(env, project):
     micro, accum, total = r.batch
     assert config["train_batch_size"] == total == micro * accum * r.world_size
     hostfile = next(d for d in docs if d["metadata"]["name"].endswith("-config"))["data"]["hostfile"]
-    assert len(hostfile.splitlines()) == r.chart["worker"]["replicas"]
+    assert len(hostfile.splitlines()) == r.effective["worker"]["replicas"]
 
 
 def test_layers_apply_in_order_maps_merge_lists_replace(tree):

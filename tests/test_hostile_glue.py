@@ -224,7 +224,7 @@ def test_a_copied_project_deploys_as_its_own_release(tree, capsys):
     assert "release     team-b in namespace ml-dev" in out
 
 
-PRESETS = sorted(p.name.removesuffix(".json.j2") for p in (ROOT / "templates" / "ds_config").glob("*.json.j2"))
+PRESETS = sorted(p.name.removesuffix(".json.j2") for p in (ROOT / "templates" / "ds_config").glob("[!_]*.json.j2"))
 PROJECTS = [None] + sorted(p.name for p in (ROOT / "values" / "projects").iterdir() if p.is_dir())
 
 

@@ -23,11 +23,7 @@ def docs():
 
 
 def start_workers(cluster, count):
-    workers = cluster.pods_of("worker")[:count]
-    for worker in workers:
-        cluster.start(worker)
-    for worker in workers:
-        cluster.wait_for_port(worker, 2222)
+    cluster.start_workers(count)
     return cluster.pods_of("launcher")[0]
 
 

@@ -74,55 +74,80 @@ def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
     return Inputs(ds_config, batch, make_data(cfg.data, cfg.model, rank, world_size, batch[0]))
 
 
+def resume(engine, ckpt_dir: Path | None, rank: int, world_size: int) -> tuple[int, int]:
+    """(step, data position) of the newest complete checkpoint every rank agrees on; (0, 0) for a fresh start."""
+    if not ckpt_dir:
+        return 0, 0
+    tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, world_size, engine.zero_optimization_stage(), logger)
+    if not tag:
+        return 0, 0
+    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if path is None:
+        raise checkpoint.CheckpointError(f"checkpoint {ckpt_dir / tag}: DeepSpeed could not load it")
+    logger.info(f"resumed from {ckpt_dir / tag} at step {client_state['step']}")
+    return client_state["step"], client_state["data_position"]
+
+
+def train_step(engine, data, position: int, micro: int, accum: int) -> tuple[torch.Tensor, int]:
+    """One optimizer step (accum micro-batches); returns this rank's mean loss and the new data position."""
+    step_loss = torch.zeros((), device=engine.device)
+    for _ in range(accum):
+        inputs, targets = (t.to(engine.device) for t in data.batch(position, micro))
+        position += micro
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        step_loss += loss.detach().float() / accum
+    return step_loss, position
+
+
+def agree(step_loss: torch.Tensor, stop: StopFlag, world_size: int) -> tuple[float, bool]:
+    """One small all-reduce per step: the mean loss over ranks, and whether any rank got SIGTERM."""
+    shared = torch.stack([step_loss, torch.tensor(float(stop.requested), device=step_loss.device)])
+    dist.all_reduce(shared)
+    return shared[0].item() / world_size, shared[1].item() > 0
+
+
+def write_metrics(ckpt_dir: Path, losses: list[tuple[int, float]], tokens_per_step: int, elapsed: float,
+                  checkpoint_s: float, world_size: int, peak_rss: list[float]) -> None:
+    metrics = {
+        "steps": losses[-1][0],
+        "steps_run": len(losses),
+        "final_loss": losses[-1][1],
+        "tokens_per_s": tokens_per_step * len(losses) / (elapsed - checkpoint_s),  # checkpoint time left out
+        "elapsed_s": elapsed,
+        "checkpoint_s": checkpoint_s,
+        "world_size": world_size,
+        "peak_rss_mib": peak_rss,
+        "losses": losses,
+    }
+    checkpoint.write_atomic(ckpt_dir / "metrics.json", json.dumps(metrics, indent=1))
+
+
 def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: StopFlag) -> int:
-    ds_config, data = inputs.ds_config, inputs.data
     micro, accum, global_batch = inputs.batch
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
-    n_params = count_parameters(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    device = engine.device
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=inputs.ds_config)
     dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     logger.info(
         f"world size {world_size} | ZeRO stage {engine.zero_optimization_stage()} | {dtype} | batch {micro} micro x "
-        f"{accum} accumulation x {world_size} ranks = {global_batch} | {n_params / 1e6:.2f}M parameters "
-        f"({model.model.config.model_type + ' from ' + cfg.model.hf_config if cfg.model.hf_config else 'GPT'}) | "
-        f"{get_accelerator().device_name()} / {torch.distributed.get_backend()}")
+        f"{accum} accumulation x {world_size} ranks = {global_batch} | {count_parameters(model) / 1e6:.2f}M "
+        f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}")
 
-    start_step, position = 0, 0
-    if ckpt_dir:
-        tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, world_size, engine.zero_optimization_stage(), logger)
-        if tag:
-            path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-            if path is None:
-                raise checkpoint.CheckpointError(f"checkpoint {ckpt_dir / tag}: DeepSpeed could not load it")
-            start_step, position = client_state["step"], client_state["data_position"]
-            logger.info(f"resumed from {ckpt_dir / tag} at step {start_step}")
+    start_step, position = resume(engine, ckpt_dir, rank, world_size)
     if start_step >= cfg.steps:
         logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
-
     losses: list[tuple[int, float]] = []
     tokens_per_step = global_batch * cfg.model.seq_len
-    last_saved = start_step
+    last_saved = last_logged = start_step
     started = interval_start = time.perf_counter()
-    last_logged = start_step
     checkpoint_s = 0.0  # time spent saving, kept out of the throughput figures
     status = 0
     for step in range(start_step + 1, cfg.steps + 1):
-        step_loss = torch.zeros((), device=device)
-        for _ in range(accum):
-            inputs, targets = (t.to(device) for t in data.batch(position, micro))
-            position += micro
-            loss = engine(inputs, targets)
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.detach().float() / accum
-        # One small all-reduce per step: the mean loss over ranks, and whether any rank got SIGTERM.
-        shared = torch.stack([step_loss, torch.tensor(float(stop.requested), device=device)])
-        dist.all_reduce(shared)
-        mean_loss, stopping = shared[0].item() / world_size, shared[1].item() > 0
+        step_loss, position = train_step(engine, inputs.data, position, micro, accum)
+        mean_loss, stopping = agree(step_loss, stop, world_size)
         losses.append((step, mean_loss))
         if engine.monitor.enabled and rank == 0:  # ds_config's tensorboard / csv_monitor / wandb sections
             engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
@@ -153,24 +178,12 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
             break
 
     elapsed = time.perf_counter() - started
-    steps_run = len(losses)
     peak_rss = [0.0] * world_size  # MiB per rank, for metrics.json
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    if rank == 0 and ckpt_dir and steps_run:  # a run with nothing left to do keeps the last metrics
-        metrics = {
-            "steps": losses[-1][0] if losses else start_step,
-            "steps_run": steps_run,
-            "final_loss": losses[-1][1] if losses else None,
-            "tokens_per_s": tokens_per_step * steps_run / (elapsed - checkpoint_s) if steps_run else None,
-            "elapsed_s": elapsed,
-            "checkpoint_s": checkpoint_s,
-            "world_size": world_size,
-            "peak_rss_mib": peak_rss,
-            "losses": losses,
-        }
-        checkpoint.write_atomic(ckpt_dir / "metrics.json", json.dumps(metrics, indent=1))
-    if steps_run:
-        logger.info(f"done: {steps_run} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
+    if losses:  # a run with nothing left to do keeps the last metrics
+        if rank == 0 and ckpt_dir:
+            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, checkpoint_s, world_size, peak_rss)
+        logger.info(f"done: {len(losses)} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
     return status
 
 
@@ -206,10 +219,27 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def exit_cleanly(status: int) -> None:
+    """Leaves without C++ static teardown. With gloo's threads still alive, a rank sometimes aborts there
+    ("terminate called without an active exception", exit -6) after a finished run, which fails the whole job;
+    every program the chart launches should end this way once its results are written."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+# DeepSpeed's CPU shm_comm op names its /dev/shm segment SHM_BUFFER_NAME + "_<uid>_<master addr>_<master port>
+# _<rank>" (deepspeed/ops/csrc/cpu/comm/shm.cpp, SHM_BUFFER_NAME).
+SHM_BUFFER_NAME = "deepspeed_allreduce_buffer"
+
+
 def release_shm_buffer() -> None:
     """DeepSpeed's CPU shm_comm op never unlinks its /dev/shm segment (~66 MB per rank): in a pod, whose /dev/shm
     is a memory-backed emptyDir with a size limit, every run and retry would leave one behind."""
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+    name = (f"{SHM_BUFFER_NAME}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
     try:
         os.unlink(f"/dev/shm/{name}")

@@ -56,6 +56,9 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def describe(self) -> str:
+        return "GPT"
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Returns the mean next-token cross-entropy of `idx` against `targets` (both [batch, seq])."""
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -85,6 +88,10 @@ class HFCausalLM(nn.Module):
                               f"{positions} must cover model.vocab_size {cfg.vocab_size} and model.seq_len "
                               f"{cfg.seq_len} (the data's token range and sample length)")
         self.model = AutoModelForCausalLM.from_config(config)
+        self.source = cfg.hf_config
+
+    def describe(self) -> str:
+        return f"{self.model.config.model_type} from {self.source}"
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=idx).logits

@@ -23,6 +23,7 @@ import base64
 import functools
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -131,6 +132,21 @@ def find_object(docs: list[dict], kind: str, name: str) -> dict:
     raise RuntimeError(f"{kind} {name} is not in the render (add it to the docs, as a cluster would have it)")
 
 
+class Claims:
+    """One shared directory per PersistentVolumeClaim under `root`, as a ReadWriteMany volume: call with a claim
+    name for its directory (mode 0777, since fsGroup does not apply to such volumes)."""
+
+    def __init__(self, root: Path):
+        self.root, self.dirs = root, {}
+
+    def __call__(self, claim: str) -> Path:
+        if claim not in self.dirs:
+            self.dirs[claim] = self.root / "claims" / claim
+            self.dirs[claim].mkdir(parents=True)
+            self.dirs[claim].chmod(0o777)
+        return self.dirs[claim]
+
+
 def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> dict[str, Path]:
     """mountPath -> directory on this machine holding what the pod sees there: ConfigMap and Secret files
     (items, defaultMode, group fsGroup as the kubelet does), emptyDirs (mode 0777), claims via claim_dir()."""
@@ -191,7 +207,7 @@ class Cluster:
         os.chmod(self.tmp, 0o755)
         self.pods = pods_from_render(docs)
         self.switch = f"ds{self.id}sw"
-        self.claims: dict[str, Path] = {}
+        self.claim_dir = Claims(self.tmp)
         self.created_dirs: list[Path] = []
         for i, pod in enumerate(self.pods):
             pod.ip, pod.netns = f"10.{subnet}.0.{10 + i}", f"ds{self.id}p{i}"
@@ -253,14 +269,6 @@ class Cluster:
     # ---- volumes
     def _materialize(self, pod: Pod) -> dict[str, Path]:
         return materialize_volumes(self.docs, pod, self.tmp / f"{pod.name}.{pod.attempt}", self.claim_dir)
-
-    def claim_dir(self, claim: str) -> Path:
-        if claim not in self.claims:
-            path = self.tmp / "claims" / claim
-            path.mkdir(parents=True)
-            os.chmod(path, 0o777)
-            self.claims[claim] = path
-        return self.claims[claim]
 
     def _mountpoint(self, path: str):
         p = Path(path)
@@ -356,3 +364,58 @@ class Cluster:
 
     def pods_of(self, component: str) -> list[Pod]:
         return [p for p in self.pods if p.component == component]
+
+    def start_workers(self, count: int | None = None) -> list[Pod]:
+        """Starts the first `count` workers (all by default) and waits until each one's sshd answers."""
+        workers = self.pods_of("worker")[:count]
+        for worker in workers:
+            self.start(worker)
+        for worker in workers:
+            self.wait_for_port(worker, SSH_PORT)
+        return workers
+
+    def run_launcher(self, timeout: float) -> tuple[int, str]:
+        """Every worker up, then the launcher pod to its end: (exit status, its log)."""
+        self.start_workers()
+        launcher = self.pods_of("launcher")[0]
+        code = wait(self.start(launcher), timeout=timeout)
+        return code, launcher.log()
+
+    def rank_pids(self, pod: Pod) -> list[int]:
+        """The pod's DeepSpeed processes: deepspeed.launcher.launch and the ranks it started."""
+        pids = []
+        for pid in self.pids(pod):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "--local_rank=" in cmdline or "deepspeed.launcher.launch" in cmdline:
+                pids.append(pid)
+        return pids
+
+
+SSH_PORT = 2222  # the chart's default ssh.port, which the e2e values keep
+
+
+def wait(process: subprocess.Popen, timeout: float) -> int:
+    """The process's exit status; killed (with its group) if it outlives `timeout`."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+
+
+def wait_for(predicate, timeout: float, what: str, log=lambda: "", interval: float = 0.2):
+    """Polls `predicate` until it is true (returns when, as time.monotonic()) or fails naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{log()[-4000:]}")
+
+
+def step_losses(log: str) -> dict[int, float]:
+    """{step: loss} from the train package's rank-0 progress lines."""
+    return {int(s): float(v) for s, v in re.findall(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([\d.]+)", log)}

@@ -9,20 +9,13 @@ import subprocess
 import pytest
 
 from scripts.jinja_render import render as render_template
+from tests.e2e.chart_pods import REASON, e2e_values, render
 from tests.e2e.harness import Cluster
-from tests.e2e.test_e2e import REASON, e2e_values, render, start_workers, wait
 from tests.helm_template import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 transformers = pytest.importorskip("transformers", reason="the Hugging Face stack (pyproject's hf extra)")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate (pyproject's hf extra)")
-
-
-@pytest.fixture(scope="module")
-def shared_dir():
-    from tests.e2e.harness import ensure_user, prebuilt_ops_for_pods
-    ensure_user(10001, "/home/deepspeed")
-    return prebuilt_ops_for_pods(10001)
 
 
 def program_values(shared_dir, **train) -> dict:
@@ -52,11 +45,9 @@ def test_a_hugging_face_trainer_program_trains_checkpoints_and_resumes(shared_di
         values["deepspeed"]["config"] = hf_ds_config()
         with Cluster(render(values)) as cluster:
             subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.claim_dir("checkpoints"))], check=True)
-            start_workers(cluster)
-            launcher = cluster.pods_of("launcher")[0]
-            code = wait(cluster.start(launcher), timeout=300)
+            code, log = cluster.run_launcher(timeout=300)
             subprocess.run(["cp", "-a", f"{cluster.claim_dir('checkpoints')}/.", str(claim)], check=True)
-            return code, launcher.log()
+            return code, log
 
     code, log = attempt(10)
     assert code == 0, log[-5000:]
@@ -83,10 +74,7 @@ def test_a_deepspeed_examples_style_argparse_module_runs(shared_dir):
     values = program_values(shared_dir, module="examples.ds_argparse", argsConvention="deepspeed",
                             args=["--steps=20"])
     with Cluster(render(values)) as cluster:
-        start_workers(cluster)
-        launcher = cluster.pods_of("launcher")[0]
-        code = wait(cluster.start(launcher), timeout=240)
-        log = launcher.log()
+        code, log = cluster.run_launcher(timeout=240)
         assert code == 0, log[-5000:]
         assert "--module examples.ds_argparse --deepspeed --deepspeed_config /etc/deepspeed/config/ds_config.json" \
                in log
@@ -102,10 +90,7 @@ def test_a_script_gets_the_charts_paths_through_placeholders(shared_dir):
                             args=["--deepspeed", "--deepspeed_config={ds_config}", "--save_dir={checkpoint_dir}/run1",
                                   "--steps=10"])
     with Cluster(render(values)) as cluster:
-        start_workers(cluster)
-        launcher = cluster.pods_of("launcher")[0]
-        code = wait(cluster.start(launcher), timeout=240)
-        log = launcher.log()
+        code, log = cluster.run_launcher(timeout=240)
         assert code == 0, log[-5000:]
         assert f"{ROOT}/examples/ds_argparse.py --deepspeed --deepspeed_config=/etc/deepspeed/config/ds_config.json " \
                "--save_dir=/checkpoints/run1 --steps=10" in log

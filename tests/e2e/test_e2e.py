@@ -1,106 +1,27 @@
 """The rendered chart trains across hosts: launcher + workers as network-namespace hosts (see harness.py)."""
 
-import base64
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import Cluster, ensure_user, namespaces_available, prebuilt_ops_for_pods
-from tests.helm_template import HELM, ROOT, render_chart
-from tests.train_run import cpu_ds_config
+from tests.e2e.chart_pods import REASON, SECRET_VALUE, UID, e2e_values, render
+from tests.e2e.harness import (
+    Cluster,
+    step_losses,
+    wait,
+    wait_for,
+)
 from train import checkpoint
 
-REASON = namespaces_available() or (None if HELM else "no helm binary; run `make setup`")
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
-UID = 10001
-SECRET_VALUE = "s3cr3t-$(id)-`uname`"  # only the valueFrom channel may carry this
-
-
-@pytest.fixture(scope="module")
-def shared_dir():
-    ensure_user(UID, "/home/deepspeed")
-    return prebuilt_ops_for_pods(UID)
-
-
-def e2e_values(shared_dir: Path, workers: int = 2, steps: int = 40, **train) -> dict:
-    return {
-        "worker": {"replicas": workers, "gpusPerWorker": 1, "gpuResourceName": "", "terminationGracePeriodSeconds": 20},
-        "launcher": {"scaleDownWorkers": False, "waitTimeoutSeconds": 60},
-        "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
-        "train": {"module": "tests.e2e.rank_probe",
-                  "config": {"steps": steps, "log_every": 10, "checkpoint_every": 10, "dist_timeout_s": 20,
-                             "model": {"n_layer": 2, "d_model": 64, "seq_len": 32}, **train}},
-        "env": [{"name": "OMP_NUM_THREADS", "value": "1"},
-                {"name": "E2E_MARKER", "value": "from-the-chart"},
-                {"name": "PYTHONPATH", "value": str(ROOT)},
-                {"name": "TORCH_EXTENSIONS_DIR", "value": str(shared_dir)},
-                {"name": "E2E_SECRET", "valueFrom": {"secretKeyRef": {"name": "e2e-secret", "key": "value"}}}],
-        "checkpoints": {"existingClaim": "checkpoints"},
-    }
-
-
-def render(values: dict) -> list[dict]:
-    docs = render_chart(values)
-    # What the cluster already holds: the Secret the valueFrom entry names.
-    docs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "e2e-secret", "namespace": "default"},
-                 "data": {"value": base64.b64encode(SECRET_VALUE.encode()).decode()}})
-    return docs
-
-
-def start_workers(cluster: Cluster, count: int | None = None):
-    workers = cluster.pods_of("worker")[:count]
-    for worker in workers:
-        cluster.start(worker)
-    for worker in workers:
-        cluster.wait_for_port(worker, 2222)
-    return workers
-
-
-def wait(process: subprocess.Popen, timeout: float) -> int:
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-
-
-def rank_pids(cluster: Cluster, pod) -> list[int]:
-    pids = []
-    for pid in cluster.pids(pod):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "--local_rank=" in cmdline or "deepspeed.launcher.launch" in cmdline:
-            pids.append(pid)
-    return pids
-
-
-def wait_for(predicate, timeout: float, what: str, log=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{log()[-4000:]}")
-
-
-def step_losses(log: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([\d.]+)", log)}
-
-
 def test_the_rendered_chart_trains_across_hosts(shared_dir):
     docs = render(e2e_values(shared_dir))
     with Cluster(docs) as cluster:
-        start_workers(cluster)
-        launcher = cluster.pods_of("launcher")[0]
-        code = wait(cluster.start(launcher), timeout=240)
-        log = launcher.log()
+        code, log = cluster.run_launcher(timeout=240)
         assert code == 0, log[-5000:]
         assert "wait-for-workers: all 2 workers are reachable" in log
         assert "world size 2 | ZeRO stage 2" in log
@@ -125,7 +46,7 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
     values = e2e_values(shared_dir)
     values["launcher"]["waitTimeoutSeconds"] = 5
     with Cluster(render(values)) as cluster:
-        start_workers(cluster, 1)
+        cluster.start_workers(1)
         launcher = cluster.pods_of("launcher")[0]
         started = time.monotonic()
         code = wait(cluster.start(launcher), timeout=60)
@@ -139,12 +60,12 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
 def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shared_dir):
     docs = render(e2e_values(shared_dir, steps=400, log_every=10, checkpoint_every=20))
     with Cluster(docs) as cluster:
-        workers = start_workers(cluster)
+        workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         first = cluster.start(launcher)
         ckpt = cluster.claim_dir("checkpoints")
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
-        victim = [p for p in rank_pids(cluster, workers[1]) if "--local_rank=" in Path(f"/proc/{p}/cmdline")
+        victim = [p for p in cluster.rank_pids(workers[1]) if "--local_rank=" in Path(f"/proc/{p}/cmdline")
                   .read_bytes().decode(errors="replace")]
         assert victim, "no rank process on worker 1"
         killed_at = time.monotonic()
@@ -154,7 +75,7 @@ def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shar
         assert code != 0, launcher.log()[-3000:]
         assert failed_after < 20 + 30, f"job took {failed_after:.0f}s to fail"  # dist_timeout_s + teardown
         for worker in workers:
-            wait_for(lambda w=worker: not rank_pids(cluster, w), 30, f"no ranks left on {worker.name}")
+            wait_for(lambda w=worker: not cluster.rank_pids(w), 30, f"no ranks left on {worker.name}")
         done = max(step_losses(launcher.log()))
         # The Job's backoff: a new launcher pod, same workers and PVC.
         retry = cluster.start(launcher, log_name="launcher-retry", new_pod=True)
@@ -172,7 +93,7 @@ def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shar
 def test_sigterm_to_the_launcher_stops_the_remote_ranks(shared_dir):
     docs = render(e2e_values(shared_dir, steps=100000, log_every=10, checkpoint_every=0))
     with Cluster(docs) as cluster:
-        workers = start_workers(cluster)
+        workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         process = cluster.start(launcher)
         wait_for(lambda: "step 20/" in launcher.log(), 180, "training to start", launcher.log)
@@ -181,5 +102,5 @@ def test_sigterm_to_the_launcher_stops_the_remote_ranks(shared_dir):
         assert code != 0
         assert "launcher: SIGTERM: stopping the DeepSpeed run" in launcher.log()
         for worker in workers:
-            wait_for(lambda w=worker: not rank_pids(cluster, w), 45, f"no ranks left on {worker.name}",
+            wait_for(lambda w=worker: not cluster.rank_pids(w), 45, f"no ranks left on {worker.name}",
                      launcher.log)

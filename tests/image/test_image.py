@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import container_env, materialize_volumes, pods_from_render
+from tests.e2e.harness import Claims, container_env, materialize_volumes, pods_from_render
 from tests.helm_template import render_chart
 from tests.train_run import cpu_ds_config
 from train import checkpoint
@@ -42,14 +42,7 @@ def test_the_image_runs_the_chart_pods():
     network, subnet = f"ds-test-{run_id}", "10.89.231"
     root = Path(tempfile.mkdtemp(prefix=f"ds-image-{run_id}-"))
     root.chmod(0o755)
-    claims = {}
-
-    def claim_dir(name):
-        if name not in claims:
-            claims[name] = root / "claims" / name
-            claims[name].mkdir(parents=True)
-            claims[name].chmod(0o777)
-        return claims[name]
+    claim_dir = Claims(root)
 
     for i, pod in enumerate(pods):
         pod.ip = f"{subnet}.{10 + i}"
@@ -77,7 +70,7 @@ def test_the_image_runs_the_chart_pods():
         assert code == 0, log[-6000:]
         assert "wait-for-workers: all 2 workers are reachable" in log
         assert "[rank 0] INFO step 20/20" in log
-        assert checkpoint.is_complete(claims["checkpoints"] / "step_00000020")
+        assert checkpoint.is_complete(claim_dir("checkpoints") / "step_00000020")
     finally:
         for name in names:
             podman("rm", "--force", name, check=False)

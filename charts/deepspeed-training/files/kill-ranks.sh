@@ -3,7 +3,7 @@
 # SIGKILL to those same processes after DS_KILL_GRACE_SECONDS. Run locally by worker.sh on eviction and over
 # SSH by launcher.sh, which clears ranks left by an earlier attempt before it starts a new one.
 set -uo pipefail
-grace="${DS_KILL_GRACE_SECONDS:-30}"
+grace="${DS_KILL_GRACE_SECONDS:?set by the chart (worker.terminationGracePeriodSeconds)}"
 me=$(id -u)
 
 # The ranks are the children of deepspeed.launcher.launch; ranks whose launcher died carry its --local_rank=.

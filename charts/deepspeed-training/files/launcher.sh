@@ -17,12 +17,12 @@ hostfile="$DS_CONFIG_DIR/hostfile"
 install -m 600 "$DS_CONFIG_DIR/deepspeed_env" "$HOME/.deepspeed_env"
 # pdsh's ssh must read our config (port, key, known_hosts) whatever the passwd home says.
 export PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="-F $HOME/.ssh/config"
-kill_ranks=(env "DS_KILL_GRACE_SECONDS=${DS_KILL_GRACE_SECONDS:-30}" bash "$scripts_dir/kill-ranks.sh")
+kill_ranks=(env "DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" bash "$scripts_dir/kill-ranks.sh")
 
-bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "${DS_WAIT_TIMEOUT_SECONDS:-600}" &
+bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "$DS_WAIT_TIMEOUT_SECONDS" &
 wait $! # in the background, so SIGTERM is handled while waiting
 
-hosts=$(awk '!/^[[:space:]]*#/ && NF { print $1 }' "$hostfile" | paste -sd, -)
+hosts=$(bash "$scripts_dir/hosts.sh" "$hostfile" | paste -sd, -)
 log "clearing ranks left by an earlier attempt"
 pdsh -S -w "$hosts" "${kill_ranks[@]}"
 

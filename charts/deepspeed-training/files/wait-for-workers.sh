@@ -4,6 +4,7 @@
 # Hosts are checked up to DS_WAIT_PARALLEL (32) at a time, so a round stays short on large jobs.
 set -euo pipefail
 hostfile="$1" timeout="$2" interval="${3:-5}" parallel="${DS_WAIT_PARALLEL:-32}"
+scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "wait-for-workers: $*"; }
 
 # Prints nothing when $1 is reachable, else why not.
@@ -16,7 +17,7 @@ check() {
   fi
 }
 
-mapfile -t pending < <(awk '!/^[[:space:]]*#/ && NF { print $1 }' "$hostfile")
+mapfile -t pending < <(bash "$scripts_dir/hosts.sh" "$hostfile")
 total=${#pending[@]}
 if ((total == 0)); then
   log "ERROR: $hostfile lists no hosts"

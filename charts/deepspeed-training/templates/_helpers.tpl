@@ -114,8 +114,9 @@ left out (`helm template` generates new keys each time); rotating ssh.existingSe
 {{- printf "%s%s" (toJson $config.data) (toJson $scripts.data) | sha256sum }}
 {{- end }}
 
-{{/* Pod-level fields shared by worker and launcher; `.component` is "worker" or "launcher". */}}
-{{- define "deepspeed-training.podSchedulingFields" -}}
+{{/* Pod-level fields shared by worker and launcher (pull secrets, scheduling, pod securityContext);
+`.component` is "worker" or "launcher". */}}
+{{- define "deepspeed-training.podSpecFields" -}}
 {{- $values := index .root.Values .component }}
 {{- $global := .root.Values.global }}
 {{- with .root.Values.image.pullSecrets }}
@@ -195,6 +196,12 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . | quote
   mountPath: /tmp
 {{- end }}
 
+{{/* Seconds kill-ranks.sh gives ranks to save after SIGTERM: the worker's grace period less the time sshd
+and the pod need to stop. */}}
+{{- define "deepspeed-training.killGraceSeconds" -}}
+{{- sub .Values.worker.terminationGracePeriodSeconds 10 | max 1 }}
+{{- end }}
+
 {{/* Env both containers get: where things are, for files/*.sh. */}}
 {{- define "deepspeed-training.commonEnv" -}}
 - name: HOME
@@ -207,6 +214,8 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . | quote
   value: {{ include "deepspeed-training.workerDomain" . | quote }}
 - name: DS_SSH_PORT
   value: {{ .Values.ssh.port | quote }}
+- name: DS_KILL_GRACE_SECONDS
+  value: {{ include "deepspeed-training.killGraceSeconds" . | quote }}
 - name: DS_WORLD_SIZE
   value: {{ mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) | quote }}
 {{- range $name, $path := dict "DS_CONFIG_PATH" "ds_config" "DS_TRAIN_CONFIG_PATH" "train_config" "DS_CHECKPOINT_DIR" "checkpoint_dir" "DS_DATA_DIR" "data_dir" }}
