@@ -151,6 +151,11 @@ BAD = {
     "nfs volume": ({"worker": {"extraVolumes": [{"name": "n", "nfs": {"server": "s", "path": "/"}}]}},
                    ["nfs volume"]),
     "network policy off": ({"networkPolicy": {"enabled": False}}, ["networkPolicy.enabled", OPT_IN]),
+    "fsGroupChangePolicy the API refuses": ({"podSecurityContext": {"fsGroupChangePolicy": "Sometimes"}},
+                                           ["fsGroupChangePolicy"]),
+    "privileged as a string": ({"securityContext": {"privileged": "true"}}, ["privileged"]),
+    "capability with a newline": ({"securityContext": {"capabilities": {"add": ["NET_ADMIN\nx: y"]}}}, ["add"]),
+    "unknown securityContext field": ({"securityContext": {"privilegd": True}}, ["privilegd"]),
     "unmasked proc": ({"securityContext": {"procMount": "Unmasked"}}, ["procMount"]),
     "host fields are not values": ({"worker": {"hostNetwork": True}}, ["hostNetwork"]),
     # What reaches the remote shell
