@@ -135,7 +135,14 @@ def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what
         raise DeployError("; ".join(lines) + f" ({what})")
 
 
-PLATFORM_ONLY = {("deploy", "kubeContexts"): "the kube contexts an environment may deploy to"}
+# Keys only the platform's layers (values/base.yaml, values/<env>.yaml) may set: a project file is written by a
+# tenant team but deployed with the platform's credentials.
+PLATFORM_ONLY = {
+    ("deploy", "kubeContexts"): "the kube contexts an environment may deploy to",
+    ("deploy", "relaxSecurityFor"): "the projects whose pods may relax the security defaults",
+    ("chart", "allowSecurityRelaxations"): "relaxed security (per project: deploy.relaxSecurityFor)",
+    ("chart", "serviceAccount"): "the pods' ServiceAccount (its token and cloud identity)",
+}
 
 
 def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
@@ -149,8 +156,8 @@ def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
         if path.parent != VALUES:
             for (section, key), what in PLATFORM_ONLY.items():
                 if isinstance(layer.get(section), dict) and key in layer[section]:
-                    raise DeployError(f"{name}: {section}.{key}: {what} are set by values/{env}.yaml only, "
-                                      "never by a project")
+                    raise DeployError(f"{name}: {section}.{key}: {what} is the platform's to set, in "
+                                      f"values/{env}.yaml or values/base.yaml, never in a project's files")
         merge(settings, layer, origin, name)
     return settings, origin, [str(p.relative_to(ROOT)) for p in files]
 
@@ -245,6 +252,9 @@ def build(env: str, project: str | None) -> Rendered:
     check_schema(settings, json.loads(SETTINGS_SCHEMA.read_text()), origin, (),
                  "checked against scripts/settings.schema.json")
     check_release_is_unique(settings, origin, env, project)
+    if project and project in settings["deploy"].get("relaxSecurityFor", []):  # the platform's per-project opt-in
+        merged["chart"]["allowSecurityRelaxations"] = True
+        origin[("chart", "allowSecurityRelaxations")] = source_of(origin, ("deploy", "relaxSecurityFor"))
     effective = check_chart_values(merged["chart"], origin)
     world_size = effective["worker"]["replicas"] * effective["worker"]["gpusPerWorker"]
     train_config = effective["train"]["config"]

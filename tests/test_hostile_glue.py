@@ -66,6 +66,17 @@ BAD = {
     "project empties the prod allow-list": (set_key("projects/example/values.yaml", "deploy", "kubeContexts", []),
                                             ["--env", "prod", "--project", "example"],
                                             [EXAMPLE, "deploy.kubeContexts"]),
+    "project grants itself relaxed security": (set_key("projects/example/values.yaml", "chart",
+                                                       "allowSecurityRelaxations", True), DEV_EXAMPLE,
+                                               [EXAMPLE, "chart.allowSecurityRelaxations", "platform"]),
+    "project lists itself for relaxed security": (set_key("projects/example/values.yaml", "deploy",
+                                                          "relaxSecurityFor", ["example"]), DEV_EXAMPLE,
+                                                  [EXAMPLE, "deploy.relaxSecurityFor"]),
+    "project picks another ServiceAccount": (set_key("projects/example/values.yaml", "chart", "serviceAccount",
+                                                     {"create": False, "name": "platform-deployer"}), DEV_EXAMPLE,
+                                             [EXAMPLE, "chart.serviceAccount"]),
+    "project deploys into kube-system": (set_key("projects/example/values.yaml", "deploy", "namespace",
+                                                 "kube-system"), DEV_EXAMPLE, [EXAMPLE, "deploy.namespace"]),
     "project widens the allow-list": (set_key("projects/example/values.yaml", "deploy", "kubeContexts", ["any"]),
                                       DEV_EXAMPLE, [EXAMPLE, "deploy.kubeContexts"]),
     "copied project keeps the release": (copy_project("team-b", release="example"), ["--env", "dev", "--project",
@@ -203,7 +214,7 @@ def test_aliases_and_merge_keys_within_bounds_are_fine(tree, capsys):
 
 
 def test_relaxations_with_the_opt_in_are_listed_by_plan_and_dry_run(tree, capsys):
-    set_key("projects/example/values.yaml", "chart", "allowSecurityRelaxations", True)(tree)
+    set_key("dev.yaml", "deploy", "relaxSecurityFor", ["example"])(tree)  # the platform's per-project opt-in
     set_key("projects/example/values.yaml", "chart", "networkPolicy", {"enabled": False})(tree)
     set_key("projects/example/values.yaml", "chart", "securityContext", {"readOnlyRootFilesystem": False})(tree)
     for command in (["plan"], ["deploy", "--dry-run"]):
