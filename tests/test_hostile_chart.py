@@ -113,6 +113,13 @@ BAD = {
     "config past the ConfigMap's 1 MiB": ({"train": {"config": {"notes": "x" * 1_100_000}}}, ["1 MiB"]),
     "zero deadline": ({"launcher": {"activeDeadlineSeconds": 0}}, ["activeDeadlineSeconds"]),
     "grace as a string": ({"worker": {"terminationGracePeriodSeconds": "120"}}, ["terminationGracePeriodSeconds"]),
+    "cpu request that is no quantity": ({"worker": {"resources": {"requests": {"cpu": "1; rm"}}}}, ["cpu"]),
+    "toleration with an unknown effect": ({"worker": {"tolerations": [{"key": "gpu", "effect": "Sometimes"}]}},
+                                          ["effect"]),
+    "secret reference without a key": ({"env": [{"name": "TOKEN_FILE", "valueFrom": {"secretKeyRef": {
+        "name": "s"}}}]}, ["key"]),
+    "claim spec with an unknown access mode": ({"worker": {"replicas": 1}, "checkpoints": {"volumeClaimSpec": {
+        "accessModes": ["ReadWriteSometimes"]}}}, ["accessModes"]),
     "tolerations as a string": ({"worker": {"tolerations": "all"}}, ["tolerations"]),
     # Isolation
     "worker label spoofs the instance": ({"worker": {"podLabels": {"app.kubernetes.io/instance": "other"}}},
