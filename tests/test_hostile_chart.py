@@ -21,7 +21,8 @@ NL_FIELD = "x\nhostPID: true"
 SHELL = "$(touch /tmp/pwned)"
 SHELL_QUOTE = 'x";touch /tmp/pwned;"'
 PAYLOADS = {"newline-document": NL_DOC, "newline-field": NL_FIELD, "command-substitution": SHELL,
-            "quote-break": SHELL_QUOTE}
+            "quote-break": SHELL_QUOTE, "unicode-line-separator": "x\u2028kind: Secret\u2028data:",
+            "next-line": "x\u0085hostPID: true"}
 ZERO2 = {"train_micro_batch_size_per_gpu": 1}
 OPT_IN = "allowSecurityRelaxations"
 
@@ -171,8 +172,20 @@ BAD = {
     "venv_script becomes `source X`": ({"launcher": {"deepspeedArgs": ["--venv_script=/tmp/x"]}},
                                        ["launcher.deepspeedArgs[0]"]),
     "launcher_args": ({"launcher": {"deepspeedArgs": ["--launcher_args=-R ssh"]}}, ["launcher.deepspeedArgs[0]"]),
-    "allowed flag with a shell value": ({"launcher": {"deepspeedArgs": ["--enable_each_rank_log=$(id)"]}},
+    "allowed flag with a shell value": ({"launcher": {"deepspeedArgs": ["--enable_each_rank_log=/x$(id)"]}},
                                         ["launcher.deepspeedArgs[0]"]),
+    "runner flag in a form DeepSpeed refuses": ({"launcher": {"deepspeedArgs": ["--log_level=verbose"]}},
+                                                ["launcher.deepspeedArgs[0]", "expected the form"]),
+    "bare flag given a value": ({"launcher": {"deepspeedArgs": ["--bind_cores_to_rank=yes"]}},
+                                ["launcher.deepspeedArgs[0]"]),
+    "flag missing its value": ({"launcher": {"deepspeedArgs": ["--enable_each_rank_log"]}},
+                               ["launcher.deepspeedArgs[0]"]),
+    "container may run as root": ({"securityContext": {"runAsNonRoot": False}}, ["securityContext.runAsNonRoot",
+                                                                                  OPT_IN]),
+    "projected service-account token": ({"worker": {"extraVolumes": [{"name": "tok", "projected": {"sources": [
+        {"serviceAccountToken": {"audience": "sts.amazonaws.com", "path": "token"}}]}}]}},
+        ["service-account token", OPT_IN]),
+    "checkpoints over /opt": ({"checkpoints": {"mountPath": "/opt"}}, ["checkpoints.mountPath", "/opt"]),
     "runner flag that shrinks the world": ({"launcher": {"deepspeedArgs": ["--num_gpus=1"]}},
                                            ["launcher.deepspeedArgs[0]", "--num_gpus"]),
     "runner arg that is no flag": ({"launcher": {"deepspeedArgs": ["rm"]}}, ["deepspeedArgs"]),
@@ -349,15 +362,30 @@ def _helper_list(name: str) -> list[str]:
     return re.findall(r'"([^"]+)"', body[body.index("list "):body.index("| toJson")])
 
 
+def _runner_flags() -> dict[str, str]:
+    text = (CHART / "templates" / "_validate.tpl").read_text()
+    body = text[text.index('define "deepspeed-training.userRunnerFlags"'):]
+    items = re.findall(r'"([^"]+)"', body[body.index("dict "):body.index("| toJson")])
+    return dict(zip(items[::2], items[1::2], strict=True))
+
+
 def test_the_chart_knows_the_ds_config_keys_the_python_check_knows():
     from train import dsconfig
     assert set(_helper_list("dsConfigKeys")) == set(dsconfig.TOP_LEVEL_KEYS)
 
 
-def test_every_runner_flag_values_may_set_exists_in_deepspeeds_runner():
+RUNNER_EXAMPLES = {"--bind_cores_to_rank": "--bind_cores_to_rank", "--bind_core_list": "--bind_core_list=0-3,8",
+                   "--enable_each_rank_log": "--enable_each_rank_log=/checkpoints/logs", "--no_local_rank":
+                   "--no_local_rank", "--save_pid": "--save_pid", "--log_level": "--log_level=warning",
+                   "--quiet": "--quiet", "--force_multi": "--force_multi"}
+
+
+def test_every_runner_flag_values_may_set_parses_in_deepspeeds_runner_in_the_allowed_form():
     from deepspeed.launcher import runner
-    takes_value = {"--bind_core_list": "0", "--enable_each_rank_log": "/ck/logs", "--log_level": "info"}
-    for flag in _helper_list("userRunnerFlags"):
-        arg = f"{flag}={takes_value[flag]}" if flag in takes_value else flag
-        args = runner.parse_args([arg, "prog.py"])
-        assert args.user_script == "prog.py", flag
+    flags = _runner_flags()
+    assert set(flags) == set(RUNNER_EXAMPLES)
+    for flag, pattern in flags.items():
+        arg = RUNNER_EXAMPLES[flag]
+        assert re.fullmatch(pattern, arg), (pattern, arg)
+        assert runner.parse_args([arg, "prog.py"]).user_script == "prog.py", flag
+        render_chart({"launcher": {"deepspeedArgs": [arg]}})

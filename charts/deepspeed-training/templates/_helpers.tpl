@@ -89,11 +89,18 @@ character set, no quoting needed). Fails naming `.key`; renders nothing.
 {{- define "deepspeed-training.shellSafe" -}}
 {{- $value := toString .value }}
 {{- if eq .context "quoted" }}
-{{- if regexMatch "[$`\"\\\\[:cntrl:]]" $value }}
-{{- fail (printf "%s: %q contains a character the remote shell would interpret ($ ` \" \\ or a control character such as a newline); DeepSpeed pastes it into `export NAME=\"...\"` on every worker. Use valueFrom (a Secret or ConfigMap) for such values." .key $value) }}
+{{- if regexMatch "[$`\"\\\\[:cntrl:]\\x{85}\\x{2028}\\x{2029}]" $value }}
+{{- fail (printf "%s: %q contains a character the remote shell would interpret ($ ` \" \\, a control character or a line break); DeepSpeed pastes it into `export NAME=\"...\"` on every worker. Use valueFrom (a Secret or ConfigMap) for such values." .key $value) }}
 {{- end }}
 {{- else if not (regexMatch "^[A-Za-z0-9_@%+=:,./-]*$" $value) }}
 {{- fail (printf "%s: %q may only contain letters, digits and _@%%+=:,./- ; DeepSpeed's pdsh runner pastes it unquoted into a remote shell on every worker" .key $value) }}
+{{- end }}
+{{- end }}
+
+{{/* The MPI-style hostfile: one "<host> slots=<GPUs>" line per worker. */}}
+{{- define "deepspeed-training.hostfile" -}}
+{{- range $i := until (int .Values.worker.replicas) }}
+{{ include "deepspeed-training.workerHost" (dict "root" $ "index" $i) }} slots={{ $.Values.worker.gpusPerWorker | int }}
 {{- end }}
 {{- end }}
 
@@ -213,7 +220,7 @@ and the pod need to stop. */}}
 - name: DS_WORKER_DOMAIN
   value: {{ include "deepspeed-training.workerDomain" . | quote }}
 - name: DS_SSH_PORT
-  value: {{ .Values.ssh.port | quote }}
+  value: {{ .Values.ssh.port | int | quote }}
 - name: DS_KILL_GRACE_SECONDS
   value: {{ include "deepspeed-training.killGraceSeconds" . | quote }}
 - name: DS_WORLD_SIZE

@@ -105,7 +105,7 @@ overridden by them), and those that make the ranks' shells run code or parse com
 {{- end }}
 {{- range $paths }}
 {{- $path := clean (index . 1) }}
-{{- if and (not (hasPrefix "(chart)" (index . 0))) (regexMatch "^/(etc|usr|bin|sbin|lib|lib32|lib64|libx32|proc|sys|dev|run|var/run|boot|opt/venv)(/|$)" $path) }}
+{{- if and (not (hasPrefix "(chart)" (index . 0))) (regexMatch "^/(etc|usr|bin|sbin|lib|lib32|lib64|libx32|proc|sys|dev|run|var/run|boot|opt/venv)(/|$)|^/(opt|var)$" $path) }}
 {{- fail (printf "%s: %s would hide a system directory of the image (/etc, /usr, /bin, /lib, /proc, /sys, /dev, /run, /opt/venv ...) and break every pod; choose another path" (index . 0) $path) }}
 {{- end }}
 {{- if hasKey $mounts $path }}
@@ -149,24 +149,28 @@ them (a later duplicate key would win and move a pod out of its release or into 
 {{- include "deepspeed-training.shellSafe" (dict "key" (printf "train.args[%d]" $i) "value" (regexReplaceAll "\\{(ds_config|train_config|checkpoint_dir|data_dir)\\}" $arg "") "context" "bare") }}
 {{- end }}
 {{- include "deepspeed-training.shellSafe" (dict "key" "train.script" "value" .Values.train.script "context" "bare") }}
-{{- $allowed := include "deepspeed-training.userRunnerFlags" . | fromJsonArray }}
+{{- $allowed := include "deepspeed-training.userRunnerFlags" . | fromJson }}
 {{- range $i, $arg := .Values.launcher.deepspeedArgs }}
 {{- $flag := regexReplaceAll "=.*$" $arg "" }}
-{{- if not (has $flag $allowed) }}
-{{- fail (printf "launcher.deepspeedArgs[%d]: %q is not a runner flag values may set; allowed: %s (the chart sets the hostfile, launcher, ports, master address and program itself)" $i $arg (join ", " $allowed)) }}
+{{- if not (hasKey $allowed $flag) }}
+{{- fail (printf "launcher.deepspeedArgs[%d]: %q is not a runner flag values may set; allowed: %s (the chart sets the hostfile, launcher, ports, master address and program itself)" $i $arg (keys $allowed | sortAlpha | join ", ")) }}
+{{- end }}
+{{- if not (regexMatch (get $allowed $flag) $arg) }}
+{{- fail (printf "launcher.deepspeedArgs[%d]: %q: expected the form %s" $i $arg (get $allowed $flag)) }}
 {{- end }}
 {{- include "deepspeed-training.shellSafe" (dict "key" (printf "launcher.deepspeedArgs[%d]" $i) "value" $arg "context" "bare") }}
 {{- end }}
 {{- end }}
 
 {{/*
-`deepspeed` runner flags values may pass (as `--flag` or `--flag=value`). Left out on purpose: what the chart
+`deepspeed` runner flags values may pass, each with the pattern its whole argument must match (what DeepSpeed's
+parser accepts). Left out on purpose: what the chart
 sets (--hostfile, --launcher, --ssh_port, --master_addr, --master_port, --module, --no_ssh*), what would run
 on fewer ranks than workers x gpusPerWorker (--include, --exclude, --num_nodes, --num_gpus) and what DeepSpeed
 pastes into the remote shell as code (--launcher_args, --venv_script).
 */}}
 {{- define "deepspeed-training.userRunnerFlags" -}}
-{{- list "--bind_cores_to_rank" "--bind_core_list" "--enable_each_rank_log" "--no_local_rank" "--save_pid" "--log_level" "--quiet" "--force_multi" | toJson }}
+{{- dict "--bind_cores_to_rank" "^--bind_cores_to_rank$" "--bind_core_list" "^--bind_core_list=[0-9][0-9,-]*$" "--enable_each_rank_log" "^--enable_each_rank_log=(/[A-Za-z0-9_-][A-Za-z0-9._-]*)+$" "--no_local_rank" "^--no_local_rank$" "--save_pid" "^--save_pid$" "--log_level" "^--log_level=(debug|info|warning|error|critical)$" "--quiet" "^--quiet$" "--force_multi" "^--force_multi$" | toJson }}
 {{- end }}
 
 {{/*
@@ -244,6 +248,9 @@ networkPolicy.enabled: false (any pod in the cluster may reach sshd and the rend
 {{- if ne (toString $pod.runAsNonRoot) "true" }}
 podSecurityContext.runAsNonRoot is not true
 {{- end }}
+{{- if eq (toString $container.runAsNonRoot) "false" }}
+securityContext.runAsNonRoot: false (the container may run as the image's user, root included)
+{{- end }}
 {{- range $key, $ctx := dict "podSecurityContext" $pod "securityContext" $container }}
 {{- if and (hasKey $ctx "runAsUser") (eq (toString $ctx.runAsUser) "0") }}
 {{ $key }}.runAsUser: 0 (root)
@@ -297,6 +304,11 @@ securityContext.capabilities.add: {{ . }}
 {{- end }}
 {{- end }}
 {{- range $i, $v := .Values.worker.extraVolumes }}
+{{- range ((($v.projected | default dict).sources) | default list) }}
+{{- if hasKey . "serviceAccountToken" }}
+worker.extraVolumes[{{ $i }}] ({{ $v.name }}): a projected service-account token
+{{- end }}
+{{- end }}
 {{- range $type, $_ := omit $v "name" }}
 {{- if not (has $type (list "configMap" "csi" "downwardAPI" "emptyDir" "ephemeral" "persistentVolumeClaim" "projected" "secret")) }}
 worker.extraVolumes[{{ $i }}] ({{ $v.name }}): {{ $type }} volume
