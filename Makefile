@@ -23,8 +23,13 @@ PROJECTS := $(notdir $(patsubst %/,%,$(wildcard values/projects/*/)))
 override ENV := $(value ENV)
 override PROJECT := $(value PROJECT)
 override KUBE_CONTEXT := $(value KUBE_CONTEXT)
+override DRY_RUN := $(value DRY_RUN)
+override WAIT := $(value WAIT)
+override REGISTRY := $(value REGISTRY)
+override PYTEST_ARGS := $(value PYTEST_ARGS)
 export ENV PROJECT KUBE_CONTEXT
-one-of = $(and $(filter 1,$(words $(1))),$(filter $(1),$(2)))
+# One word, no `%` (a filter pattern), and one of the names in $(2).
+one-of = $(and $(filter 1,$(words $(1))),$(if $(findstring %,$(1)),,$(filter $(1),$(2))))
 check-project = $(if $(PROJECT),$(if $(call one-of,$(PROJECT),$(PROJECTS)),,$(error PROJECT: not a project under \
   values/projects/; expected one of: $(PROJECTS))))
 require-env = $(if $(ENV),,$(error ENV is required: `make $@ ENV=dev`; environments: $(ENVS)))$(if \

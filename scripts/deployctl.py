@@ -10,6 +10,7 @@ import argparse
 import copy
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -139,6 +140,9 @@ def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what
 # tenant team but deployed with the platform's credentials.
 PLATFORM_ONLY = {
     ("deploy", "kubeContexts"): "the kube contexts an environment may deploy to",
+    ("deploy", "namespace"): "the namespace (per project: deploy.projectNamespaces)",
+    ("deploy", "projectNamespaces"): "the projects' namespaces",
+    ("deploy", "release"): "the Helm release (a project's is its directory name)",
     ("deploy", "relaxSecurityFor"): "the projects whose pods may relax the security defaults",
     ("chart", "allowSecurityRelaxations"): "relaxed security (per project: deploy.relaxSecurityFor)",
     ("chart", "serviceAccount"): "the pods' ServiceAccount (its token and cloud identity)",
@@ -164,6 +168,29 @@ def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
 
 def release_of(settings: dict, project: str | None) -> str:
     return settings["deploy"].get("release") or project or CHART_NAME
+
+
+def check_scalars(values, origin: dict, path: tuple = ()) -> None:
+    """Settings a JSON schema lets through: non-finite numbers, strings with control characters (Python's `$`
+    matches before a trailing newline), YAML types JSON has not (dates, binary)."""
+    if isinstance(values, dict):
+        for key, value in values.items():
+            check_scalars(value, origin, (*path, key))
+        return
+    if isinstance(values, list):
+        for i, value in enumerate(values):
+            check_scalars(value, origin, (*path, i))
+        return
+    problem = None
+    if isinstance(values, float) and not math.isfinite(values):
+        problem = f"{values} is not a finite number"
+    elif isinstance(values, str) and path[0] != "chart" and any(
+            ord(c) < 32 or ord(c) in (0x7F, 0x85, 0x2028, 0x2029) for c in values):
+        problem = f"{values!r} contains a control character or line break"
+    elif values is not None and not isinstance(values, (str, int, float, bool)):
+        problem = f"a YAML {type(values).__name__} is not a value JSON (and Helm) can carry; quote it"
+    if problem:
+        raise DeployError(f"{source_of(origin, path)}: {dotted(path)}: {problem}")
 
 
 def check_release_is_unique(settings: dict, origin: dict, env: str, project: str | None) -> None:
@@ -197,7 +224,8 @@ def runs_train_package(effective: dict) -> bool:
         train["argsConvention"] == "train"
 
 
-def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int) -> tuple[dict, tuple]:
+def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, overrides: dict
+                     ) -> tuple[dict, tuple]:
     """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked."""
     ds = settings["deepspeed"]
     workers, gpus = effective["worker"]["replicas"], effective["worker"]["gpusPerWorker"]
@@ -225,7 +253,6 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int) 
         raise DeployError(f"{preset_source}: {err}") from None
     except json.JSONDecodeError as err:
         raise DeployError(f"{preset_source}: templates/{template} did not render JSON: {err}") from None
-    overrides = ds.get("overrides") or {}
     merge(ds_config, overrides, {}, "")
     ds_config = without_nulls(ds_config)
     override_files = sorted({src for path, src in origin.items() if path[:2] == ("deepspeed", "overrides")})
@@ -251,7 +278,10 @@ def build(env: str, project: str | None) -> Rendered:
     settings = without_nulls(merged)
     check_schema(settings, json.loads(SETTINGS_SCHEMA.read_text()), origin, (),
                  "checked against scripts/settings.schema.json")
+    check_scalars(merged, origin)
     check_release_is_unique(settings, origin, env, project)
+    if project in settings["deploy"].get("projectNamespaces", {}):  # the platform's per-project namespace
+        settings["deploy"]["namespace"] = settings["deploy"]["projectNamespaces"][project]
     if project and project in settings["deploy"].get("relaxSecurityFor", []):  # the platform's per-project opt-in
         merged["chart"]["allowSecurityRelaxations"] = True
         origin[("chart", "allowSecurityRelaxations")] = source_of(origin, ("deploy", "relaxSecurityFor"))
@@ -268,7 +298,8 @@ def build(env: str, project: str | None) -> Rendered:
             raise DeployError(f"{', '.join(files)}: {err}") from None
     else:
         steps = train_config.get("steps", TrainConfig.steps)
-    ds_config, batch = render_ds_config(settings, origin, effective, steps)
+    overrides = merged["deepspeed"].get("overrides") or {}  # with its nulls: null removes a preset key
+    ds_config, batch = render_ds_config(settings, origin, effective, steps, overrides)
     if not effective["worker"]["gpuResourceName"]:  # CPU ranks: what DeepSpeed's CPU accelerator can run
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
         where = (f"templates/ds_config/{settings['deepspeed']['preset']}.json.j2 with chart.worker.gpuResourceName "
@@ -380,7 +411,9 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),
     ]
-    if r.runs_train_package:
+    if r.runs_train_package and r.effective["train"]["config"].get("model", {}).get("hf_config"):
+        lines.append("  model       a Hugging Face config read in the pods (model.hf_config): no estimate here")
+    elif r.runs_train_package:
         params, gpu_bytes, cpu_bytes, how = memory_estimate(r)
         lines += [f"  model       {params / 1e6:,.1f}M parameters",
                   f"  memory      model states ~{human(gpu_bytes)} per GPU, ~{human(cpu_bytes)} host per node "

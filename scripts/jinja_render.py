@@ -22,7 +22,10 @@ def _environment(root: Path) -> jinja2.Environment:
     )
     env.filters["tojson"] = lambda value: json.dumps(value)
     # JSON is YAML that every reader types alike: Helm (YAML 1.2) reads back what we checked (YAML 1.1).
-    env.filters["to_json"] = lambda value: json.dumps(value, indent=2, ensure_ascii=False)
+    # U+0085, U+2028 and U+2029 stay escaped: a YAML reader takes them for line breaks, even inside quotes.
+    env.filters["to_json"] = lambda value: (json.dumps(value, indent=2, ensure_ascii=False)
+                                            .replace("\u0085", "\\u0085").replace("\u2028", "\\u2028")
+                                            .replace("\u2029", "\\u2029"))
     return env
 
 

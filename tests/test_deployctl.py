@@ -141,7 +141,7 @@ BAD = {
                                "values/dev.yaml: deepspeed.lr: -1 is less than or equal to the minimum of 0"),
     "bad release name": (set_key("projects/example/values.yaml", "deploy", "release", "My_Job"),
                          ["--env", "dev", "--project", "example"],
-                         "values/projects/example/values.yaml: deploy.release: 'My_Job' does not match"),
+                         "values/projects/example/values.yaml: deploy.release: the Helm release"),
     "global batch not a multiple": (set_key("prod.yaml", "deepspeed", "globalBatch", 1000), ["--env", "prod"],
                                     "values/prod.yaml: deepspeed.globalBatch 1000 must be a multiple of "
                                     "deepspeed.microBatch 4 x world size 64 (8 workers x 8 GPUs)"),

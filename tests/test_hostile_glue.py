@@ -75,18 +75,31 @@ BAD = {
     "project picks another ServiceAccount": (set_key("projects/example/values.yaml", "chart", "serviceAccount",
                                                      {"create": False, "name": "platform-deployer"}), DEV_EXAMPLE,
                                              [EXAMPLE, "chart.serviceAccount"]),
-    "project deploys into kube-system": (set_key("projects/example/values.yaml", "deploy", "namespace",
-                                                 "kube-system"), DEV_EXAMPLE, [EXAMPLE, "deploy.namespace"]),
+    "platform namespace under kube-": (set_key("dev.yaml", "deploy", "namespace", "kube-system"), DEV,
+                                       ["values/dev.yaml", "deploy.namespace"]),
+    "date where text was meant": (write(EXAMPLE, "chart:\n  train:\n    config:\n      started: 2024-01-01\n"),
+                                  DEV_EXAMPLE, [EXAMPLE, "chart.train.config.started", "quote it"]),
+    "infinite learning rate": (write(EXAMPLE, "deepspeed:\n  lr: .inf\n"), DEV_EXAMPLE,
+                               [EXAMPLE, "deepspeed.lr", "finite"]),
+    "timeout with a trailing newline": (set_key("prod.yaml", "deploy", "timeout", "10m\n"), ["--env", "prod"],
+                                        ["values/prod.yaml", "deploy.timeout"]),
+    "CPU-less fused optimizer on CPU ranks": (set_key("dev.yaml", "deepspeed", "overrides", {
+        "optimizer": {"type": "Lamb", "params": {"lr": 0.001, "torch_adam": None}},
+        "zero_allow_untested_optimizer": True}), DEV,
+        ["values/dev.yaml", "Lamb", "CPU"]),
+    "required chart value removed": (set_key("projects/example/values.yaml", "chart", "train", "config", None),
+                                     ["--env", "prod", "--project", "example"], [EXAMPLE, "config"]),
     "project widens the allow-list": (set_key("projects/example/values.yaml", "deploy", "kubeContexts", ["any"]),
                                       DEV_EXAMPLE, [EXAMPLE, "deploy.kubeContexts"]),
-    "copied project keeps the release": (copy_project("team-b", release="example"), ["--env", "dev", "--project",
-                                                                                      "team-b"],
-                                         ["values/projects/team-b/values.yaml", "deploy.release 'example'",
-                                          "values/projects/example/"]),
-    "project release collides with another's directory name": (
-        lambda tree: (copy_project("team-b")(tree), set_key("projects/example/values.yaml", "deploy", "release",
-                                                            "team-b")(tree)), DEV_EXAMPLE,
-        [EXAMPLE, "deploy.release 'team-b'"]),
+    "copied project keeps a release": (copy_project("team-b", release="example"), ["--env", "dev", "--project",
+                                                                                     "team-b"],
+                                       ["values/projects/team-b/values.yaml", "deploy.release", "platform"]),
+    "project names a release of its own": (set_key("projects/example/values.yaml", "deploy", "release",
+                                                   "kube-prometheus-stack"), DEV_EXAMPLE, [EXAMPLE, "deploy.release"]),
+    "project picks its namespace": (set_key("projects/example/values.yaml", "deploy", "namespace", "monitoring"),
+                                    DEV_EXAMPLE, [EXAMPLE, "deploy.namespace", "platform"]),
+    "environment gives every project one release": (set_key("dev.yaml", "deploy", "release", "shared"), DEV_EXAMPLE,
+                                                    ["deploy.release 'shared'", "values/projects/"]),
     "null on a required setting": (set_key("dev.yaml", "deploy", "namespace", None), DEV,
                                    ["values/dev.yaml", "namespace"]),
     # types and patterns (YAML 1.1 reads 3e-4 as a string)
@@ -112,6 +125,9 @@ BAD = {
     "secret as a plain env value": (set_key("projects/example/values.yaml", "chart", "env",
                                             [{"name": "HF_TOKEN", "value": "hf_x"}]), DEV_EXAMPLE,
                                     [EXAMPLE, "HF_TOKEN", "valueFrom"]),
+    "env value with a Unicode line separator": (set_key("projects/example/values.yaml", "chart", "env", [
+        {"name": "OMP_NUM_THREADS", "value": "1\u2028kind: Secret\u2028metadata: {name: stolen}"}]), DEV_EXAMPLE,
+        [EXAMPLE, "env[0] (OMP_NUM_THREADS)"]),
     "two volumes at one path": (set_key("projects/example/values.yaml", "chart", "data", "mountPath", "/checkpoints"),
                                 ["--env", "prod", "--project", "example"], [EXAMPLE, "data.mountPath"]),
     # the ds_config the preset and overrides make
@@ -137,7 +153,7 @@ BAD = {
                                 ["values/dev.yaml", "wandb.enabled", "'wandb'"]),
     "NaN in an override": (write("values/dev.yaml", (ROOT / "values/dev.yaml").read_text().replace(
         "  lr: 3.0e-3\n", "  lr: 3.0e-3\n  overrides:\n    gradient_clipping: .nan\n")), DEV,
-        ["values/dev.yaml", "gradient_clipping is nan"]),
+        ["values/dev.yaml", "deepspeed.overrides.gradient_clipping", "finite"]),
     "auto without a program that fills it": (set_key("dev.yaml", "deepspeed", "overrides", {
         "gradient_clipping": "auto"}), DEV, ["values/dev.yaml", "gradient_clipping", "fillsDsConfigAuto"]),
     "fp16 on CPU ranks": (set_key("dev.yaml", "deepspeed", "overrides", {"fp16": {"enabled": True}}), DEV,
@@ -228,6 +244,18 @@ def test_relaxations_with_the_opt_in_are_listed_by_plan_and_dry_run(tree, capsys
     assert "WARNING: security relaxed" not in out
 
 
+def test_the_platform_can_give_a_project_its_own_namespace(tree, capsys):
+    set_key("dev.yaml", "deploy", "projectNamespaces", {"example": "team-example"})(tree)
+    code, out, err = run("plan", *DEV_EXAMPLE, capsys=capsys)
+    assert code == 0, err
+    assert "release     example in namespace team-example" in out
+
+
+def test_null_in_overrides_removes_a_preset_key(tree, capsys):
+    set_key("dev.yaml", "deepspeed", "overrides", {"scheduler": None})(tree)
+    assert "scheduler" not in deployctl.build("dev", None).ds_config
+
+
 def test_a_copied_project_deploys_as_its_own_release(tree, capsys):
     copy_project("team-b")(tree)
     code, out, err = run("deploy", "--env", "dev", "--project", "team-b", "--dry-run", capsys=capsys)
@@ -277,3 +305,10 @@ def test_a_hugging_face_project_plans_its_own_program(capsys):
     assert "program     /opt/deepspeed-examples/hf_trainer.py (huggingface arguments, fills the ds_config's " \
            "\"auto\" values)" in out
     assert "model       the program's own (no estimate)" in out
+
+
+def test_a_hugging_face_model_config_read_in_the_pods_does_not_block_the_plan(tree, capsys):
+    set_key("projects/example/values.yaml", "chart", "train", "config", "model", "hf_config", "/data/hf/gpt2")(tree)
+    code, out, err = run("plan", *DEV_EXAMPLE, capsys=capsys)
+    assert code == 0, err
+    assert "model.hf_config): no estimate here" in out

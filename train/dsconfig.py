@@ -174,24 +174,35 @@ def validate(config: dict, world_size: int, source: str, *, fills_auto: bool = F
         if not isinstance(config[key], dict):
             raise DsConfigError(f"ds_config {source}: {key} must be an object, got {config[key]!r}")
     sizes = batch_sizes(config, world_size, source)
-    _check_runtime_settings(config, source)
+    _deepspeed_parse(config, sizes, source)  # first: the sections' own types, as DeepSpeed reads them
+    _check_runtime_settings(config, world_size, source)
     _check_optimizer(config, source)
     _check_scheduler(config, source)
-    _deepspeed_parse(config, sizes, source)
     return sizes
 
 
 def check_precision(config: dict, accelerator, source: str) -> None:
-    """fp16/bf16 the ranks' accelerator cannot run (DeepSpeed's CPU accelerator has no fp16): refused before
-    every rank would fail in deepspeed.initialize."""
+    """What the ranks' accelerator cannot run: fp16/bf16 it lacks (DeepSpeed's CPU accelerator has no fp16) and
+    fused optimizers without a CPU kernel. Refused before every rank would fail in deepspeed.initialize."""
+    optimizer = (config.get("optimizer") or {}).get("type", "")
+    zero = config.get("zero_optimization") or {}
+    offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    if accelerator.device_name() == "cpu" and str(optimizer).lower() in ("lamb", "lion") and not offloaded:
+        raise DsConfigError(f"ds_config {source}: optimizer.type {optimizer}: DeepSpeed's fused {optimizer} has no "
+                            "CPU implementation; on CPU ranks use Adam/AdamW with torch_adam, or offload the "
+                            "optimizer (zero_optimization.offload_optimizer.device cpu)")
     for section, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
         if config.get(section, {}).get("enabled") is True and not supported():
             raise DsConfigError(f"ds_config {source}: {section}.enabled: the {accelerator.device_name()} accelerator "
                                 f"of these ranks does not support {section}; turn it off or use GPU workers")
 
 
-def _check_runtime_settings(config: dict, source: str) -> None:
+def _check_runtime_settings(config: dict, world_size: int, source: str) -> None:
     """Settings DeepSpeed's parser accepts that then fail or misbehave on every rank."""
+    tp_size = config.get("tensor_parallel", {}).get("autotp_size")
+    if isinstance(tp_size, int) and tp_size > 1 and world_size % tp_size:
+        raise DsConfigError(f"ds_config {source}: tensor_parallel.autotp_size {tp_size} does not divide world size "
+                            f"{world_size}")
     steps_per_print = config.get("steps_per_print")
     if steps_per_print is not None and (not isinstance(steps_per_print, int) or isinstance(steps_per_print, bool)
                                         or steps_per_print < 1):
@@ -311,6 +322,9 @@ def _check_optimizer(config: dict, source: str) -> None:
     if "max_grad_norm" in params:
         raise DsConfigError(f"ds_config {source}: optimizer.params.max_grad_norm: DeepSpeed refuses it; use the "
                             "top-level gradient_clipping")
+    if name == "LBFGS":
+        raise DsConfigError(f"ds_config {source}: optimizer.type LBFGS needs a closure at every step, which "
+                            "DeepSpeed's engine.step() never passes")
     target, passed = _optimizer_target(name, params, config)
     if target is None:
         import torch
@@ -398,12 +412,28 @@ def _check_scheduler(config: dict, source: str) -> None:
         quiet = logging.getLogger("DeepSpeed")
         level, quiet.level = quiet.level, logging.ERROR  # its schedulers warn when asked for an lr before a step
         try:
-            target(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), **params)
+            target(_stand_in_optimizer(config), **params)
         except Exception as err:
             raise DsConfigError(f"ds_config {source}: scheduler {name} refuses scheduler.params: "
                                 f"{type(err).__name__}: {' '.join(str(err).split())}") from None
         finally:
             quiet.level = level
+
+
+def _stand_in_optimizer(config: dict):
+    """A small optimizer like the configured one, for a scheduler to be tried on (OneCycleLR needs momentum or
+    betas): torch's own class where the config names one, else torch's AdamW (DeepSpeed's Adam family)."""
+    import torch
+    optimizer = config.get("optimizer") or {}
+    name, params = optimizer.get("type", ""), dict(optimizer.get("params") or {})
+    target, passed = _optimizer_target(name, params, config) if name else (None, ())
+    parameter = [torch.nn.Parameter(torch.zeros(1))]
+    if isinstance(target, type) and target.__module__.startswith("torch.") and not auto_keys(params):
+        try:
+            return target(parameter, **{k: v for k, v in params.items() if k not in passed})
+        except Exception:
+            pass  # refused by _check_optimizer already
+    return torch.optim.AdamW(parameter, lr=1.0)
 
 
 def _deepspeed_parse(config: dict, sizes: tuple, source: str) -> None:
