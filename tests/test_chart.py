@@ -152,7 +152,7 @@ def test_existing_secret_replaces_the_generated_one():
         assert volumes["ssh-keys"]["secret"]["secretName"] == "team-keys"
 
 
-def test_pods_run_restricted_and_workers_get_a_tcp_readiness_probe():
+def test_pods_run_restricted_and_workers_get_an_sshd_readiness_probe():
     sts, job = workloads(render_chart())
     for workload in (sts, job):
         pod = workload["spec"]["template"]["spec"]
@@ -162,8 +162,10 @@ def test_pods_run_restricted_and_workers_get_a_tcp_readiness_probe():
         assert ctx["allowPrivilegeEscalation"] is False
         assert ctx["capabilities"] == {"drop": ["ALL"]}
         assert ctx["readOnlyRootFilesystem"] is True
-    assert container(sts)["readinessProbe"]["tcpSocket"] == {"port": "ssh"}
-    assert container(sts)["livenessProbe"]["tcpSocket"] == {"port": "ssh"}
+    # The probes read the socket table (files/sshd-listening.sh): a TCP probe makes sshd log every 5 s.
+    probe = ["bash", "/etc/deepspeed/scripts/sshd-listening.sh"]
+    assert container(sts)["readinessProbe"]["exec"]["command"] == probe
+    assert container(sts)["livenessProbe"]["exec"]["command"] == probe
     assert container(sts)["ports"][0] == {"name": "ssh", "containerPort": 2222, "protocol": "TCP"}
 
 
@@ -266,7 +268,8 @@ def test_the_launcher_job_is_per_revision_and_retries_safely():
     _, job = workloads(render_chart())
     assert job["spec"]["podReplacementPolicy"] == "Failed"
     assert job["spec"]["podFailurePolicy"]["rules"] == [
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}}]
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 150  # worker grace + 30
     assert env_of(job)["DS_KILL_GRACE_SECONDS"] == "110"
 

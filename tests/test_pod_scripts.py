@@ -1,12 +1,13 @@
 """The pods' scripts from charts/deepspeed-training/files, run for real: a non-root sshd per worker host
 and the launcher's wait-for-workers check, in network namespaces built from the rendered chart."""
 
+import re
 import time
 
 import pytest
 
 from tests.e2e.harness import Cluster, ensure_user, namespaces_available
-from tests.helm_template import HELM, render_chart
+from tests.helm_template import HELM, ROOT, render_chart
 
 REASON = namespaces_available() or (None if HELM else "no helm binary; run `make setup`")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -73,3 +74,77 @@ def test_a_worker_with_another_host_key_is_refused(docs):
         assert result.returncode == 1
         assert "Host key verification failed" in result.stdout
 
+
+
+def test_wait_for_workers_waits_for_workers_of_the_current_template(docs):
+    """During a rollout, a pod of the previous revision still answers SSH: the launcher must not start on it."""
+    with Cluster(docs) as cluster:
+        old = cluster.pods_of("worker")[1]
+        old.container = {**old.container, "env": [
+            {**e, "value": "0123456789abcdef"} if e["name"] == "DS_WORKER_TEMPLATE" else e
+            for e in old.container["env"]]}
+        launcher = start_workers(cluster, 2)
+        result = cluster.exec(launcher, ["bash", "-c", f"{WAIT} {CONFIG}/hostfile 3 1"], timeout=60)
+        assert result.returncode == 1, result.stdout
+        expected = next(e["value"] for e in launcher.container["env"] if e["name"] == "DS_WORKER_TEMPLATE")
+        assert f"  {old.fqdn}: runs worker template 0123456789abcdef, not {expected}" in result.stdout
+        assert f"  {cluster.pods_of('worker')[0].fqdn}:" not in result.stdout
+
+
+def test_the_sshd_probe_reads_the_socket_table_and_sshd_logs_nothing(docs):
+    with Cluster(docs) as cluster:
+        launcher = start_workers(cluster, 1)
+        worker = cluster.pods_of("worker")[0]
+        probe = next(c for c in docs if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0][
+            "readinessProbe"]["exec"]["command"]
+        for _ in range(3):
+            assert cluster.exec(worker, probe, timeout=10).returncode == 0
+        assert cluster.exec(launcher, probe, timeout=10).returncode == 1  # nothing listens there
+        assert "kex_exchange_identification" not in worker.log() and "Connection closed" not in worker.log()
+
+
+FAKE_LAUNCH = """
+import subprocess, sys
+# One child per state: `starting` and `training` ignore SIGTERM (as a rank blocked in a C++ collective
+# would), the third acknowledges it and exits after a short save.
+rank = '''
+import os, signal, sys, time
+from train import rankstate
+state = sys.argv[1]
+rankstate.report("training" if state == "acks" else state)
+if state == "acks":
+    def handle(*_):
+        rankstate.report("stopping")
+        time.sleep(3)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, handle)
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    time.sleep(1)
+'''
+children = [subprocess.Popen([sys.executable, "-c", rank, s, "--local_rank=0"]) for s in ("starting", "training", "acks")]
+print("codes", [c.wait() for c in children], flush=True)
+"""
+
+
+def test_kill_ranks_does_not_hold_the_pod_for_ranks_that_cannot_save(docs):
+    """A rank that finished no step is killed at once, one that does not answer SIGTERM after a short wait;
+    only a rank that acknowledged gets the grace period (here 60 s) to save."""
+    with Cluster(docs) as cluster:
+        worker = cluster.pods_of("worker")[0]
+        script = (f"cat > /tmp/fake_launch.py <<'EOF'\n{FAKE_LAUNCH}\nEOF\n"
+                  f"export DS_KILL_GRACE_SECONDS=60 PYTHONPATH={ROOT}; "
+                  "python3 /tmp/fake_launch.py deepspeed.launcher.$(echo launch) > /tmp/launch.log 2>&1 & "  # not this shell
+                  "for i in $(seq 100); do [[ $(ls $DS_RANK_STATE_DIR 2> /dev/null | wc -l) == 3 ]] && break; "
+                  "sleep 0.2; done; "
+                  f"start=$SECONDS; bash {SCRIPTS}/kill-ranks.sh; echo \"took $((SECONDS - start))s\"; wait; "
+                  "cat /tmp/launch.log")
+        started = time.monotonic()
+        result = cluster.exec(worker, ["bash", "-c", script], timeout=90)
+        elapsed = time.monotonic() - started
+        out = result.stdout
+        assert re.search(r"SIGKILL to \d+: no step finished since it started", out), out
+        assert re.search(r"SIGKILL to \d+: no answer to SIGTERM in 10s", out), out
+        assert "codes [-9, -9, 0]" in out, out
+        assert int(re.search(r"took (\d+)s", out).group(1)) <= 15 and elapsed < 40, out

@@ -17,7 +17,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from train import checkpoint, dsconfig
+from train import checkpoint, dsconfig, rankstate
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, make_data
 from train.model import build_model, count_parameters
@@ -48,6 +48,7 @@ class StopFlag:
 
     def _handle(self, signum, frame):
         self.requested = True
+        rankstate.report("stopping")
 
 
 def format_eta(seconds: float) -> str:
@@ -72,6 +73,16 @@ def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
     if cfg.checkpoint_dir:
         checkpoint.check_writable(Path(cfg.checkpoint_dir))
     return Inputs(ds_config, batch, make_data(cfg.data, cfg.model, rank, world_size, batch[0]))
+
+
+def check_world_size(world_size: int) -> None:
+    """Before the rendezvous, on every rank: a job that "completes" on fewer ranks than it was given is a
+    failure, and a rank that counts another world size than its peers would hang in the rendezvous."""
+    expected = int(os.environ.get("DS_WORLD_SIZE", world_size))  # the chart's workers x gpusPerWorker
+    if world_size != expected:
+        raise ConfigError(f"world size {world_size} (WORLD_SIZE from DeepSpeed's launcher), but the chart runs "
+                          f"{expected} ranks (DS_WORLD_SIZE: worker.replicas x worker.gpusPerWorker): a worker, its "
+                          "GPUs or its hostfile entry is wrong")
 
 
 def resume(engine, ckpt_dir: Path | None, rank: int, world_size: int) -> tuple[int, int]:
@@ -149,6 +160,8 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         step_loss, position = train_step(engine, inputs.data, position, micro, accum)
         mean_loss, stopping = agree(step_loss, stop, world_size)
         losses.append((step, mean_loss))
+        if step == start_step + 1 and not stopping:
+            rankstate.report("training")  # from here a SIGTERM has something to save
         if engine.monitor.enabled and rank == 0:  # ds_config's tensorboard / csv_monitor / wandb sections
             engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
 
@@ -189,10 +202,12 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
 
 def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()  # first: a SIGTERM during start-up must not kill this rank while its peers wait
+    rankstate.report("starting")
     rank = int(os.environ.get("RANK", "0"))
     init_logger(rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by DeepSpeed's launcher for every rank
     try:
+        check_world_size(world_size)
         cfg = parse_args(argv)
         inputs = check_inputs(cfg, rank, world_size)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
@@ -203,10 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if dist.get_world_size() != world_size:
             raise ConfigError(f"WORLD_SIZE {world_size} but the process group has {dist.get_world_size()} ranks")
-        expected = int(os.environ.get("DS_WORLD_SIZE", world_size))  # the chart's workers x gpusPerWorker
-        if world_size != expected:  # a job that "completes" on fewer ranks than it was given is a failure
-            raise ConfigError(f"world size {world_size}, but the chart runs {expected} ranks (DS_WORLD_SIZE: "
-                              "worker.replicas x worker.gpusPerWorker): a worker or its GPUs are missing")
         status = train(cfg, inputs, dist.get_rank(), world_size, stop)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's
@@ -225,6 +236,7 @@ def exit_cleanly(status: int) -> None:
     every program the chart launches should end this way once its results are written."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    rankstate.clear()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

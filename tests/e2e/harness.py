@@ -1,6 +1,7 @@
 """Runs the pods of a RENDERED chart as hosts on this machine, so the real chart is tested without a cluster.
 
-Each pod the chart would create (every worker ordinal and the launcher) becomes a "host":
+Each pod the chart would create (every worker of the StatefulSet or of the Indexed Job, and the launcher)
+becomes a "host":
 - its own network namespace, with a veth into a private bridge that lives in a namespace of its own (nothing
   is added to the machine's own network), and addresses in 10.231.<n>.0/24, used only inside them;
 - its own UTS and PID namespaces (the pod's hostname; `pkill` sees only the pod's processes), and a hosts
@@ -84,13 +85,15 @@ class Pod:
     log_path: Path | None = None
     mounts: dict[str, Path] = field(default_factory=dict)
     attempt: int = 0
+    controller_env: dict[str, str] = field(default_factory=dict)  # what the Job controller adds
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
 
 def pods_from_render(docs: list[dict]) -> list[Pod]:
-    """The pods Kubernetes would create for the rendered StatefulSet and Job."""
+    """The pods Kubernetes would create for the rendered StatefulSet and Jobs. An Indexed Job's pods get what
+    its controller gives them: host name `<job>-<index>`, JOB_COMPLETION_INDEX, a record under `subdomain`."""
     pods = []
     for doc in docs:
         if doc["kind"] not in ("StatefulSet", "Job"):
@@ -98,12 +101,19 @@ def pods_from_render(docs: list[dict]) -> list[Pod]:
         spec = doc["spec"]["template"]["spec"]
         security = spec.get("securityContext", {})
         uid, gid = security.get("runAsUser", 0), security.get("runAsGroup", security.get("runAsUser", 0))
-        base = doc["metadata"]["name"]
+        base, namespace = doc["metadata"]["name"], doc["metadata"]["namespace"]
         if doc["kind"] == "StatefulSet":
             for ordinal in range(doc["spec"]["replicas"]):
                 name = f"{base}-{ordinal}"
-                fqdn = f"{name}.{doc['spec']['serviceName']}.{doc['metadata']['namespace']}.svc.cluster.local"
+                fqdn = f"{name}.{doc['spec']['serviceName']}.{namespace}.svc.cluster.local"
                 pods.append(Pod(name, "worker", name, spec["containers"][0], spec["volumes"], uid, gid, fqdn))
+        elif doc["spec"].get("completionMode") == "Indexed":
+            component = doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+            for index in range(doc["spec"]["completions"]):
+                name = f"{base}-{index}"
+                fqdn = f"{name}.{spec['subdomain']}.{namespace}.svc.cluster.local"
+                pods.append(Pod(name, component, name, spec["containers"][0], spec["volumes"], uid, gid, fqdn,
+                                controller_env={"JOB_COMPLETION_INDEX": str(index)}))
         else:
             name = f"{base}-{uuid.uuid4().hex[:5]}"
             pods.append(Pod(name, "launcher", name, spec["containers"][0], spec["volumes"], uid, gid))
@@ -183,7 +193,7 @@ def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> di
 
 def container_env(docs: list[dict], pod: Pod) -> dict[str, str]:
     """The container's env as the kubelet resolves it: values, the namespace fieldRef, secretKeyRefs."""
-    env = {}
+    env = dict(pod.controller_env)
     for item in pod.container.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
@@ -373,6 +383,13 @@ class Cluster:
         for worker in workers:
             self.wait_for_port(worker, SSH_PORT)
         return workers
+
+    def run_workers(self, timeout: float) -> list[int]:
+        """launchMode nossh: every worker pod started at once, then waited for: their exit statuses."""
+        workers = self.pods_of("worker")
+        processes = [self.start(worker) for worker in workers]
+        deadline = time.monotonic() + timeout
+        return [wait(p, timeout=max(1.0, deadline - time.monotonic())) for p in processes]
 
     def run_launcher(self, timeout: float) -> tuple[int, str]:
         """Every worker up, then the launcher pod to its end: (exit status, its log)."""

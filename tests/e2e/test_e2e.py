@@ -58,7 +58,10 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
 
 
 def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shared_dir):
-    docs = render(e2e_values(shared_dir, steps=400, log_every=10, checkpoint_every=20))
+    """runRetries 0: the launcher pod fails, and the Job's next pod resumes."""
+    values = e2e_values(shared_dir, steps=400, log_every=10, checkpoint_every=20)
+    values["launcher"]["runRetries"] = 0
+    docs = render(values)
     with Cluster(docs) as cluster:
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
@@ -104,3 +107,25 @@ def test_sigterm_to_the_launcher_stops_the_remote_ranks(shared_dir):
         for worker in workers:
             wait_for(lambda w=worker: not cluster.rank_pids(w), 45, f"no ranks left on {worker.name}",
                      launcher.log)
+
+
+def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(shared_dir):
+    """runRetries: a killed rank fails the run; the same launcher pod clears the workers and runs again."""
+    values = e2e_values(shared_dir, steps=200, log_every=10, checkpoint_every=20)
+    values["launcher"]["runRetries"] = 1
+    with Cluster(render(values)) as cluster:
+        workers = cluster.start_workers()
+        launcher = cluster.pods_of("launcher")[0]
+        process = cluster.start(launcher)
+        ckpt = cluster.claim_dir("checkpoints")
+        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
+        victim = [p for p in cluster.rank_pids(workers[1]) if "--local_rank=" in Path(f"/proc/{p}/cmdline")
+                  .read_bytes().decode(errors="replace")]
+        os.kill(victim[0], signal.SIGKILL)
+        code = wait(process, timeout=300)
+        log = launcher.log()
+        assert code == 0, log[-4000:]
+        assert "launcher: retry 1 of 1: starting the run again" in log
+        assert log.count("wait-for-workers: all 2 workers are reachable") == 2
+        assert re.search(r"resumed from \S+step_000000[4-9]0 at step", log)
+        assert max(step_losses(log)) == 200

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # Stops this host's DeepSpeed ranks: SIGTERM to the ranks (they save a checkpoint together and exit), then
-# SIGKILL to those same processes after DS_KILL_GRACE_SECONDS. Run locally by worker.sh on eviction and over
-# SSH by launcher.sh, which clears ranks left by an earlier attempt before it starts a new one.
+# SIGKILL to those same processes after DS_KILL_GRACE_SECONDS. Run locally by worker.sh and nossh-worker.sh on
+# SIGTERM, and over SSH by launcher.sh, which clears ranks left by an earlier attempt before it starts a new one.
+#
+# Ranks that report their state in DS_RANK_STATE_DIR/<pid> (the train package does) do not hold the pod for
+# the whole grace period when they cannot save: `starting` (no step finished since the rank started: nothing
+# to save) is killed at once, and `training` still there ACK_SECONDS after SIGTERM means the rank never ran
+# its handler (stuck in a C++ collective, e.g. waiting for peers that are gone): it is killed then. Ranks that
+# acknowledged (`stopping`), and programs that report nothing, get the full grace.
 set -uo pipefail
 grace="${DS_KILL_GRACE_SECONDS:?set by the chart (worker.terminationGracePeriodSeconds)}"
+state_dir="${DS_RANK_STATE_DIR:-}"
+ack_seconds=10
 me=$(id -u)
+log() { echo "kill-ranks: $(hostname): $*"; }
+state() { [[ -n "$state_dir" ]] && cat "$state_dir/$1" 2> /dev/null; }
 
 # The ranks are the children of deepspeed.launcher.launch; ranks whose launcher died carry its --local_rank=.
 launchers=$(pgrep -u "$me" -f 'deepspeed\.launcher\.launch' || true)
@@ -12,16 +22,31 @@ ranks=$(for pid in $launchers; do pgrep -P "$pid"; done)
 [[ -n "$launchers" ]] || ranks=$(pgrep -u "$me" -f -- '--local_rank=' || true)
 targets="$launchers $ranks"
 [[ -n "${targets//[[:space:]]/}" ]] || exit 0
-echo "kill-ranks: $(hostname): stopping ranks ${ranks:-none} (launchers ${launchers:-none})"
+log "stopping ranks ${ranks:-none} (launchers ${launchers:-none})"
+
+# kill_where STATE WHY: SIGKILL to the ranks in that state.
+kill_where() {
+  local pid doomed=""
+  for pid in $ranks; do
+    [[ "$(state "$pid")" == "$1" ]] && doomed+=" $pid"
+  done
+  [[ -z "$doomed" ]] && return 0
+  log "SIGKILL to${doomed}: $2"
+  # shellcheck disable=SC2086
+  kill -KILL $doomed 2> /dev/null
+}
+
+kill_where starting "no step finished since it started, nothing to save"
 # Only the ranks: deepspeed.launcher.launch reaps them and exits, and would SIGKILL them itself after 30 s.
 # shellcheck disable=SC2086
 kill -TERM ${ranks:-$launchers} 2> /dev/null
 for ((i = 0; i < grace; i++)); do
   # shellcheck disable=SC2086
   kill -0 $targets 2> /dev/null || exit 0
+  ((i == ack_seconds)) && kill_where training "no answer to SIGTERM in ${ack_seconds}s: stuck in a collective, cannot save"
   sleep 1
 done
-echo "kill-ranks: $(hostname): still running after ${grace}s, sending SIGKILL"
+log "still running after ${grace}s, sending SIGKILL"
 # shellcheck disable=SC2086
 kill -KILL $targets 2> /dev/null
 exit 0

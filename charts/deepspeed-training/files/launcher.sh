@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Launcher pod entrypoint. Usage: launcher.sh DEEPSPEED_COMMAND...
-# Waits for every worker, clears ranks left by an earlier attempt, runs the DeepSpeed command (its exit
-# status is the Job's), then scales the workers to 0 after a success when DS_SCALE_DOWN_WORKERS=true.
+# Launcher pod entrypoint (launchMode ssh). Usage: launcher.sh DEEPSPEED_COMMAND...
+# Waits for every worker (of the current template), clears ranks left by an earlier attempt, runs the DeepSpeed
+# command, and after a failure runs it again up to DS_RUN_RETRIES times (all ranks together, each run resuming
+# from the last complete checkpoint). Its exit status is the last run's; after a success it scales the workers
+# to 0 when DS_SCALE_DOWN_WORKERS=true.
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "launcher: $*"; }
-child=""
-# PID 1 ignores SIGTERM without a handler: set it first, also for the wait below. DeepSpeed's runner answers
+child="" stopping=""
+# PID 1 ignores SIGTERM without a handler: set it first, also for the waits below. DeepSpeed's runner answers
 # SIGTERM by killing the ranks on every worker (pdsh pkill), then exits 1.
-trap 'log "SIGTERM: stopping the DeepSpeed run"; if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
+trap 'stopping=1; log "SIGTERM: stopping the DeepSpeed run"; if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
 
 # shellcheck source=ssh-setup.sh
 source "$scripts_dir/ssh-setup.sh"
@@ -17,30 +19,49 @@ hostfile="$DS_CONFIG_DIR/hostfile"
 install -m 600 "$DS_CONFIG_DIR/deepspeed_env" "$HOME/.deepspeed_env"
 # pdsh's ssh must read our config (port, key, known_hosts) whatever the passwd home says.
 export PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="-F $HOME/.ssh/config"
-kill_ranks=(env "DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" bash "$scripts_dir/kill-ranks.sh")
-
-bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "$DS_WAIT_TIMEOUT_SECONDS" &
-wait $! # in the background, so SIGTERM is handled while waiting
-
+kill_ranks=(env "DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" "DS_RANK_STATE_DIR=$DS_RANK_STATE_DIR" bash "$scripts_dir/kill-ranks.sh")
 hosts=$(bash "$scripts_dir/hosts.sh" "$hostfile" | paste -sd, -)
-log "clearing ranks left by an earlier attempt"
-pdsh -S -w "$hosts" "${kill_ranks[@]}"
 
-log "running: $*"
-"$@" &
-child=$!
-rc=0
-wait "$child" || rc=$?
-# A trapped signal ends the first wait early; the second returns the runner's real status (127 if reaped).
-rc2=0
-wait "$child" 2> /dev/null || rc2=$?
-((rc2 == 127)) || rc=$rc2
-log "DeepSpeed exited with status $rc"
-if ((rc != 0)); then
+# run_in_background CMD...: runs CMD so that SIGTERM is handled meanwhile; sets rc to its exit status.
+run_in_background() {
+  "$@" &
+  child=$!
+  rc=0
+  wait "$child" || rc=$?
+  # A trapped signal ends the first wait early; the second returns the real status (127 if already reaped).
+  local rc2=0
+  wait "$child" 2> /dev/null || rc2=$?
+  ((rc2 == 127)) || rc=$rc2
+  child=""
+}
+
+retries="${DS_RUN_RETRIES:-0}"
+for ((attempt = 0; ; attempt++)); do
+  run_in_background bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "$DS_WAIT_TIMEOUT_SECONDS"
+  [[ -n "$stopping" ]] && exit 143
+  ((rc == 0)) || exit "$rc"
+  log "clearing ranks left by an earlier attempt"
+  pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
+
+  log "running: $*"
+  run_in_background "$@"
+  log "DeepSpeed exited with status $rc"
+  if ((rc == 0)); then
+    break
+  fi
   log "clearing ranks still running on the workers"
   pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
-  exit "$rc"
-fi
+  if [[ -n "$stopping" ]]; then
+    exit "$rc"
+  elif ((rc == 2)); then
+    log "status 2 is a configuration error (bad arguments or input files): not retried"
+    exit 2
+  elif ((attempt >= retries)); then
+    log "no retries left (launcher.runRetries=$retries); failing the pod"
+    exit "$rc"
+  fi
+  log "retry $((attempt + 1)) of $retries: starting the run again, from the last complete checkpoint"
+done
 if [[ "${DS_SCALE_DOWN_WORKERS:-false}" == true ]]; then
   python3 "$scripts_dir/scale-workers.py" || log "WARNING: could not scale the workers down; delete them with helm uninstall"
 fi

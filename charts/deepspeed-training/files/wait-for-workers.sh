@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Waits until every host in the hostfile resolves and accepts an SSH login, or fails at the deadline
-# naming the hosts still missing.  Usage: wait-for-workers.sh HOSTFILE TIMEOUT_SECONDS [INTERVAL_SECONDS]
+# Waits until every host in the hostfile resolves, accepts an SSH login and runs the current worker template
+# (its DS_WORKER_TEMPLATE equals ours: during a rollout, pods of the previous revision still answer, and pdsh
+# would start ranks on a pod about to be replaced), or fails at the deadline naming the hosts still missing.
+# Usage: wait-for-workers.sh HOSTFILE TIMEOUT_SECONDS [INTERVAL_SECONDS]
 # Hosts are checked up to DS_WAIT_PARALLEL (32) at a time, so a round stays short on large jobs.
 set -euo pipefail
 hostfile="$1" timeout="$2" interval="${3:-5}" parallel="${DS_WAIT_PARALLEL:-32}"
@@ -8,12 +10,15 @@ scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "wait-for-workers: $*"; }
 
 # Prints nothing when $1 is reachable, else why not.
+# shellcheck disable=SC2016 # the remote command is expanded by the worker's shell
 check() {
-  local host="$1" err
+  local host="$1" out
   if ! getent hosts "$host" > /dev/null; then
     echo "no DNS record"
-  elif ! err=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" true 2>&1); then
-    echo "SSH failed: ${err:-no output}" | tr '\n' ' '
+  elif ! out=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" 'echo "template=$DS_WORKER_TEMPLATE"' 2>&1); then
+    echo "SSH failed: ${out:-no output}" | tr '\n' ' '
+  elif [[ -n "${DS_WORKER_TEMPLATE:-}" && "$out" != "template=$DS_WORKER_TEMPLATE" ]]; then
+    echo "runs worker template ${out#template=}, not $DS_WORKER_TEMPLATE: a pod of an earlier revision, the rollout is not done"
   fi
 }
 
@@ -23,7 +28,7 @@ if ((total == 0)); then
   log "ERROR: $hostfile lists no hosts"
   exit 2
 fi
-log "waiting up to ${timeout}s for $total workers (DNS and SSH)"
+log "waiting up to ${timeout}s for $total workers (DNS, SSH, worker template ${DS_WORKER_TEMPLATE:-any})"
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
 deadline=$((SECONDS + timeout))

@@ -58,9 +58,51 @@ app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- printf "%s.%s.svc.%s" (include "deepspeed-training.workerName" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
 
-{{/* Host name of worker <index>: the headless Service gives each StatefulSet pod this record. */}}
+{{/*
+Worker pods are "<prefix>-<index>". ssh: the StatefulSet's pods (its name). nossh: the Indexed Job's pods, whose
+host names the Job controller sets to "<job>-<index>"; one Job per Helm revision (a Job's pod template is
+immutable), so the revision is part of the name.
+*/}}
+{{- define "deepspeed-training.workerPodPrefix" -}}
+{{- if eq .Values.launchMode "nossh" }}
+{{- printf "%s-r%d" (include "deepspeed-training.workerName" .) (int .Release.Revision) }}
+{{- else }}
+{{- include "deepspeed-training.workerName" . }}
+{{- end }}
+{{- end }}
+
+{{/* Host name of worker <index>: the headless Service gives each worker pod this record. */}}
 {{- define "deepspeed-training.workerHost" -}}
-{{- printf "%s-%d.%s" (include "deepspeed-training.workerName" .root) (int .index) (include "deepspeed-training.workerDomain" .root) }}
+{{- printf "%s-%d.%s" (include "deepspeed-training.workerPodPrefix" .root) (int .index) (include "deepspeed-training.workerDomain" .root) }}
+{{- end }}
+
+{{/* nossh: worker 0 serves the workers' start barrier (files/gang-barrier.py) on the port after the rendezvous. */}}
+{{- define "deepspeed-training.barrierPort" -}}
+{{- add .Values.deepspeed.masterPort 1 }}
+{{- end }}
+
+{{/* Pods that must run together: the workers, and in ssh mode the launcher. */}}
+{{- define "deepspeed-training.gangSize" -}}
+{{- add .Values.worker.replicas (ternary 1 0 (eq .Values.launchMode "ssh")) }}
+{{- end }}
+
+{{/*
+The native gang-scheduling API the cluster serves (scheduling.k8s.io Workload), newest first, when
+scheduling.gangScheduling is on; empty when off. The "/Workload" form: offline renders list only group/versions.
+*/}}
+{{- define "deepspeed-training.gangApi" -}}
+{{- if .Values.scheduling.gangScheduling }}
+{{- $found := "" }}
+{{- range list "v1beta1" "v1alpha2" "v1alpha1" }}
+{{- if and (not $found) ($.Capabilities.APIVersions.Has (printf "scheduling.k8s.io/%s/Workload" .)) }}
+{{- $found = printf "scheduling.k8s.io/%s" . }}
+{{- end }}
+{{- end }}
+{{- if not $found }}
+{{- fail "scheduling.gangScheduling: the cluster serves no scheduling.k8s.io Workload API (v1alpha1 on Kubernetes 1.35, v1alpha2 on 1.36, v1beta1 on 1.37, with the GenericWorkload feature gate and the API group enabled); turn it off, or render for such a cluster (helm template --api-versions scheduling.k8s.io/v1alpha2/Workload)" }}
+{{- end }}
+{{- $found }}
+{{- end }}
 {{- end }}
 
 {{- define "deepspeed-training.sshSecretName" -}}
@@ -154,6 +196,16 @@ affinity:
 securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with include "deepspeed-training.gangApi" .root }}
+{{- if eq . "scheduling.k8s.io/v1alpha1" }}
+workloadRef:
+  name: {{ include "deepspeed-training.fullname" $.root | quote }}
+  podGroup: gang
+{{- else }}
+schedulingGroup:
+  podGroupName: {{ include "deepspeed-training.fullname" $.root | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Labels and annotations that put a pod into the gang-scheduling group, when one is on. */}}
@@ -162,13 +214,19 @@ securityContext:
 kueue.x-k8s.io/queue-name: {{ . | quote }}
 {{- end }}
 {{- end }}
+{{/* `.component` is "worker" or "launcher": Kueue's topology request places the workers (in rank order). */}}
 {{- define "deepspeed-training.gangAnnotations" -}}
-{{- if .Values.scheduling.volcano.enabled }}
-scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . | quote }}
+{{- if .root.Values.scheduling.volcano.enabled }}
+scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" .root | quote }}
+{{- end }}
+{{- with .root.Values.scheduling.kueueTopology }}
+{{- if and .mode (eq $.component "worker") }}
+kueue.x-k8s.io/podset-{{ .mode }}-topology: {{ .level | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 
-{{/* Volumes every pod mounts: config, scripts, SSH keys, home and /tmp. */}}
+{{/* Volumes every pod mounts: config, scripts, SSH keys (ssh mode), home and /tmp. */}}
 {{- define "deepspeed-training.commonVolumes" -}}
 - name: config
   configMap:
@@ -177,10 +235,12 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . | quote
   configMap:
     name: {{ printf "%s-scripts" (include "deepspeed-training.fullname" .) | quote }}
     defaultMode: 0555
+{{- if eq .Values.launchMode "ssh" }}
 - name: ssh-keys
   secret:
     secretName: {{ include "deepspeed-training.sshSecretName" . | quote }}
     defaultMode: 0440
+{{- end }}
 - name: home
   emptyDir: {}
 - name: tmp
@@ -194,9 +254,11 @@ scheduling.k8s.io/group-name: {{ include "deepspeed-training.fullname" . | quote
 - name: scripts
   mountPath: {{ include "deepspeed-training.scriptsDir" . | quote }}
   readOnly: true
+{{- if eq .Values.launchMode "ssh" }}
 - name: ssh-keys
   mountPath: {{ include "deepspeed-training.keysDir" . | quote }}
   readOnly: true
+{{- end }}
 - name: home
   mountPath: {{ .Values.image.homeDir | quote }}
 - name: tmp
@@ -209,18 +271,22 @@ and the pod need to stop. */}}
 {{- sub .Values.worker.terminationGracePeriodSeconds 10 | max 1 }}
 {{- end }}
 
-{{/* Env both containers get: where things are, for files/*.sh. */}}
+{{/* Env every container gets: where things are, for files/*.sh. */}}
 {{- define "deepspeed-training.commonEnv" -}}
 - name: HOME
   value: {{ .Values.image.homeDir | quote }}
 - name: DS_CONFIG_DIR
   value: {{ include "deepspeed-training.configDir" . | quote }}
-- name: DS_SSH_KEYS_DIR
-  value: {{ include "deepspeed-training.keysDir" . | quote }}
 - name: DS_WORKER_DOMAIN
   value: {{ include "deepspeed-training.workerDomain" . | quote }}
+{{- if eq .Values.launchMode "ssh" }}
+- name: DS_SSH_KEYS_DIR
+  value: {{ include "deepspeed-training.keysDir" . | quote }}
 - name: DS_SSH_PORT
   value: {{ .Values.ssh.port | int | quote }}
+{{- end }}
+- name: DS_RANK_STATE_DIR
+  value: {{ include "deepspeed-training.rankStateDir" . | quote }}
 - name: DS_KILL_GRACE_SECONDS
   value: {{ include "deepspeed-training.killGraceSeconds" . | quote }}
 - name: DS_WORLD_SIZE
@@ -230,6 +296,23 @@ and the pod need to stop. */}}
   value: {{ get (include "deepspeed-training.programPaths" $ | fromJson) $path | quote }}
 {{- end }}
 {{- end }}
+
+{{/* Env of the containers that run `deepspeed` (ssh: the launcher; nossh: every worker). */}}
+{{- define "deepspeed-training.launcherEnv" -}}
+- name: DS_WAIT_TIMEOUT_SECONDS
+  value: {{ .Values.launcher.waitTimeoutSeconds | int | quote }}
+- name: DS_RUN_RETRIES
+  value: {{ .Values.launcher.runRetries | int | quote }}
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- end }}
+
+{{/*
+Where ranks of the train package report their state (files/kill-ranks.sh reads it: a rank that has not
+finished a step since it started has nothing to save, one that does not acknowledge SIGTERM is stuck in a
+collective). Inside the pod's /tmp emptyDir.
+*/}}
+{{- define "deepspeed-training.rankStateDir" -}}/tmp/deepspeed-ranks{{- end }}
 
 {{/* Paths the chart gives the program: placeholders in `train.args`, and env on every rank (commonEnv). */}}
 {{- define "deepspeed-training.programPaths" -}}
@@ -262,17 +345,47 @@ chart's paths in the program's convention (train.argsConvention), then train.arg
 {{- toJson $command }}
 {{- end }}
 
-{{/* The launcher's `deepspeed` command: pdsh over SSH to the hostfile's workers, then the program. */}}
+{{/*
+The `deepspeed` command. ssh (the launcher): pdsh over SSH to the hostfile's workers. nossh (every worker):
+this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion index>`. Then the program.
+*/}}
 {{- define "deepspeed-training.launchCommand" -}}
-{{- $command := list "deepspeed"
-  (printf "--hostfile=%s/hostfile" (include "deepspeed-training.configDir" .))
-  "--launcher=pdsh"
-  (printf "--ssh_port=%d" (int .Values.ssh.port))
-  "--no_ssh_check"
-  "--force_multi"
-  (printf "--master_addr=%s" (include "deepspeed-training.workerHost" (dict "root" . "index" 0)))
-  (printf "--master_port=%d" (int .Values.deepspeed.masterPort)) }}
+{{- $command := list "deepspeed" (printf "--hostfile=%s/hostfile" (include "deepspeed-training.configDir" .)) }}
+{{- if eq .Values.launchMode "ssh" }}
 {{- /* --no_ssh_check: wait-for-workers.sh has checked SSH to every worker, not just the first.
        --force_multi: always over pdsh, also with one worker: never run ranks in the launcher pod. */}}
+{{- $command = concat $command (list "--launcher=pdsh" (printf "--ssh_port=%d" (int .Values.ssh.port)) "--no_ssh_check" "--force_multi") }}
+{{- else }}
+{{- /* --no_ssh needs --master_addr: without it DeepSpeed still runs `ssh <host0> hostname -I`. */}}
+{{- $command = append $command "--no_ssh" }}
+{{- end }}
+{{- $command = concat $command (list
+  (printf "--master_addr=%s" (include "deepspeed-training.workerHost" (dict "root" . "index" 0)))
+  (printf "--master_port=%d" (int .Values.deepspeed.masterPort))) }}
 {{- toJson (concat $command .Values.launcher.deepspeedArgs (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
+{{- end }}
+
+{{/* Job settings shared by the launcher Job (ssh) and the workers' Job (nossh). */}}
+{{- define "deepspeed-training.jobPolicy" -}}
+backoffLimit: {{ .Values.launcher.backoffLimit | int }}
+# A new pod starts only once the failed one is gone, so its clean-up cannot hit the next attempt's ranks.
+podReplacementPolicy: Failed
+podFailurePolicy:
+  rules:
+    # Evictions and preemptions do not count against backoffLimit: the next pod resumes from a checkpoint.
+    - action: Ignore
+      onPodConditions:
+        - type: DisruptionTarget
+          status: "True"
+    # Exit status 2 is a configuration error (bad arguments or input files): a retry would fail the same way.
+    - action: FailJob
+      onExitCodes:
+        operator: In
+        values: [2]
+{{- with .Values.launcher.activeDeadlineSeconds }}
+activeDeadlineSeconds: {{ . | int }}
+{{- end }}
+{{- if not (kindIs "invalid" .Values.launcher.ttlSecondsAfterFinished) }}
+ttlSecondsAfterFinished: {{ .Values.launcher.ttlSecondsAfterFinished | int }}
+{{- end }}
 {{- end }}

@@ -10,15 +10,22 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- include "deepspeed-training.validateLabels" . }}
 {{- include "deepspeed-training.validateProgram" . }}
 {{- include "deepspeed-training.validateDsConfig" . }}
-{{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
-{{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
-{{- end }}
+{{- include "deepspeed-training.validateLaunchMode" . }}
 {{- with .Values.scheduling }}
 {{- if and .volcano.enabled .schedulerName (ne .schedulerName "volcano") }}
 {{- fail (printf "scheduling.volcano.enabled puts the pods in a Volcano PodGroup, but scheduling.schedulerName is %q: only the volcano scheduler honours it (leave schedulerName empty or set it to volcano)" .schedulerName) }}
 {{- end }}
+{{- if and .volcano.enabled .gangScheduling }}
+{{- fail "scheduling.gangScheduling and scheduling.volcano.enabled are two gang schedulers for the same pods; choose one" }}
 {{- end }}
-{{- if and .Values.launcher.scaleDownWorkers (not .Values.serviceAccount.create) }}
+{{- if ne (empty .kueueTopology.mode) (empty .kueueTopology.level) }}
+{{- fail (printf "scheduling.kueueTopology: mode %q and level %q go together: set both (mode required or preferred, level a node label such as cloud.provider.com/topology-rack) or neither" .kueueTopology.mode .kueueTopology.level) }}
+{{- end }}
+{{- if and .kueueTopology.mode (not .kueueQueueName) }}
+{{- fail "scheduling.kueueTopology needs scheduling.kueueQueueName: only Kueue reads the topology request" }}
+{{- end }}
+{{- end }}
+{{- if and (eq .Values.launchMode "ssh") .Values.launcher.scaleDownWorkers (not .Values.serviceAccount.create) }}
 {{- if not .Values.serviceAccount.name }}
 {{- fail "launcher.scaleDownWorkers with serviceAccount.create=false needs serviceAccount.name: the scale permission would go to the namespace's default ServiceAccount (or set launcher.scaleDownWorkers=false)" }}
 {{- else if eq .Values.serviceAccount.name "default" }}
@@ -32,6 +39,26 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- $relaxations := include "deepspeed-training.securityRelaxations" . | trim }}
 {{- if and $relaxations (not .Values.allowSecurityRelaxations) }}
 {{- fail (printf "these values relax the chart's security defaults (restricted Pod Security, NetworkPolicy): %s. Set allowSecurityRelaxations: true to accept them; `make plan` and the dry run then list them as warnings" (splitList "\n" $relaxations | join "; ")) }}
+{{- end }}
+{{- end }}
+
+{{/* What each launch mode needs of the other values. */}}
+{{- define "deepspeed-training.validateLaunchMode" -}}
+{{- if eq .Values.launchMode "ssh" }}
+{{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
+{{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
+{{- end }}
+{{- else }}
+{{- if ge (int .Values.deepspeed.masterPort) 65535 }}
+{{- fail (printf "deepspeed.masterPort: %d leaves no port for the start barrier of launchMode nossh (the next port); use a port below 65535" (int .Values.deepspeed.masterPort)) }}
+{{- end }}
+{{- if and .Values.checkpoints.volumeClaimSpec (not .Values.checkpoints.existingClaim) }}
+{{- fail "checkpoints.volumeClaimSpec (a PVC per worker) needs the StatefulSet of launchMode ssh; with launchMode nossh use checkpoints.existingClaim (a ReadWriteMany PVC), which outlives the Job's pods" }}
+{{- end }}
+{{- $lastHost := printf "%s-%d" (include "deepspeed-training.workerPodPrefix" .) (sub (int .Values.worker.replicas) 1) }}
+{{- if gt (len $lastHost) 63 }}
+{{- fail (printf "launchMode nossh: worker host name %q (the Job's name, revision and index) is longer than the 63 characters of a DNS label; shorten the release name or set fullnameOverride" $lastHost) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -52,7 +79,7 @@ Env names the chart or DeepSpeed's launcher sets (a user value would override th
 overridden by them), and those that make the ranks' shells run code or parse commands differently.
 */}}
 {{- define "deepspeed-training.reservedEnvNames" -}}
-{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
+{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
 {{- end }}
 
 {{- define "deepspeed-training.validateEnv" -}}

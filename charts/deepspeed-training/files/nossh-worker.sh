@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Worker pod entrypoint in launchMode nossh (a pod of the workers' Indexed Job; no sshd, no launcher pod).
+# Usage: nossh-worker.sh DEEPSPEED_COMMAND...   (run as DEEPSPEED_COMMAND[0] --node_rank=<index> REST...)
+# Every run starts with the start barrier on worker 0 (gang-barrier.py): all workers between two runs, none
+# with ranks of an earlier run still alive. Then DeepSpeed's launcher starts this node's ranks. A failed run is
+# started again, together with the other workers, up to DS_RUN_RETRIES times; then the pod fails (the Job's
+# backoffLimit replaces it, and the new pod joins the others at the barrier). The pod's exit status is the
+# last run's: success only when the program finished.
+set -euo pipefail
+scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+node_rank="${JOB_COMPLETION_INDEX:?set by the Job controller (completionMode: Indexed)}"
+log() { echo "worker $node_rank: $*"; }
+child="" stopping=""
+# PID 1 ignores SIGTERM without a handler. The ranks get SIGTERM (they save a checkpoint together) and, if
+# they do not stop within the grace period, SIGKILL.
+trap 'stopping=1; log "SIGTERM: stopping local ranks"; bash "$scripts_dir/kill-ranks.sh" || true
+      if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
+
+# run_in_background CMD...: runs CMD so that SIGTERM is handled meanwhile; sets rc to its exit status.
+run_in_background() {
+  "$@" &
+  child=$!
+  rc=0
+  wait "$child" || rc=$?
+  # A trapped signal ends the first wait early; the second returns the real status (127 if already reaped).
+  local rc2=0
+  wait "$child" 2> /dev/null || rc2=$?
+  ((rc2 == 127)) || rc=$rc2
+  child=""
+}
+
+mapfile -t hosts < <(bash "$scripts_dir/hosts.sh" "$DS_CONFIG_DIR/hostfile")
+retries="${DS_RUN_RETRIES:-0}"
+for ((attempt = 0; ; attempt++)); do
+  run_in_background python3 "$scripts_dir/gang-barrier.py" "$node_rank" "$DS_BARRIER_PORT" \
+    "$DS_WAIT_TIMEOUT_SECONDS" "${hosts[@]}"
+  [[ -n "$stopping" ]] && exit 143
+  ((rc == 0)) || exit "$rc"
+  log "running: $1 --node_rank=$node_rank ${*:2}"
+  run_in_background "$1" "--node_rank=$node_rank" "${@:2}"
+  log "DeepSpeed exited with status $rc"
+  if ((rc == 0)); then
+    exit 0
+  elif [[ -n "$stopping" ]]; then
+    exit 143
+  elif ((rc == 2)); then
+    log "status 2 is a configuration error (bad arguments or input files): not retried"
+    exit 2
+  elif ((attempt >= retries)); then
+    log "no retries left (launcher.runRetries=$retries); failing the pod"
+    exit "$rc"
+  fi
+  log "retry $((attempt + 1)) of $retries: meeting the other workers at the start barrier"
+done

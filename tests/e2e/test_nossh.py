@@ -1,0 +1,128 @@
+"""launchMode nossh through the rendered chart: the workers' Indexed Job pods as network-namespace hosts (see
+harness.py), each running DeepSpeed's launcher for its own node rank, no sshd anywhere."""
+
+import hashlib
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.chart_pods import REASON, SECRET_VALUE, e2e_values, render
+from tests.e2e.harness import Cluster, step_losses, wait, wait_for
+from train import checkpoint
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+
+def nossh_values(shared_dir, retries: int = 1, **train) -> dict:
+    values = e2e_values(shared_dir, **train)
+    values["launchMode"] = "nossh"
+    values["launcher"]["runRetries"] = retries
+    return values
+
+
+def rank_cmdlines(cluster: Cluster, pod) -> dict[int, str]:
+    out = {}
+    for pid in cluster.rank_pids(pod):
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass
+    return out
+
+
+def test_nossh_trains_across_hosts_without_ssh_and_every_pod_ends(shared_dir):
+    docs = render(nossh_values(shared_dir))
+    assert not [d for d in docs if d["kind"] in ("StatefulSet", "Secret") and "ssh" in d["metadata"]["name"]]
+    with Cluster(docs) as cluster:
+        assert not cluster.pods_of("launcher")
+        codes = cluster.run_workers(timeout=240)
+        worker0, worker1 = cluster.pods_of("worker")
+        assert codes == [0, 0], worker0.log()[-4000:] + worker1.log()[-3000:]
+        log = worker0.log()
+        assert "gang-barrier 0: all 2 workers are here" in log
+        assert "world size 2 | ZeRO stage 2" in log
+        losses = step_losses(log)
+        assert sorted(losses) == [10, 20, 30, 40] and losses[40] < losses[10]
+        ckpt = cluster.claim_dir("checkpoints")
+        assert checkpoint.is_complete(ckpt / "step_00000040")
+        # Plain env and the secret reach every rank by construction (the pod's env), on both hosts.
+        expected_secret = hashlib.sha256(SECRET_VALUE.encode()).hexdigest()[:12]
+        probes = re.findall(r"rank-probe rank=(\d) host=(\S+) E2E_MARKER=(\S+) E2E_SECRET_sha256=(\S+)",
+                            worker0.log() + worker1.log())
+        assert sorted(p[0] for p in probes) == ["0", "1"]
+        assert {p[1] for p in probes} == {worker0.hostname, worker1.hostname}
+        assert all(p[2] == "from-the-chart" and p[3] == expected_secret for p in probes), probes
+        # Nothing of the SSH mode ran, and nothing is left running.
+        assert "sshd" not in log and "pdsh" not in log
+        assert not cluster.pids(worker0) and not cluster.pids(worker1)
+
+
+def test_nossh_a_killed_rank_fails_every_rank_and_the_pods_restart_together_from_the_checkpoint(shared_dir):
+    docs = render(nossh_values(shared_dir, retries=1, steps=400, log_every=10, checkpoint_every=20))
+    with Cluster(docs) as cluster:
+        worker0, worker1 = cluster.pods_of("worker")
+        processes = [cluster.start(w) for w in (worker0, worker1)]
+        ckpt = cluster.claim_dir("checkpoints")
+        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", worker0.log)
+        victim = [pid for pid, cmd in rank_cmdlines(cluster, worker1).items() if "--local_rank=" in cmd]
+        assert victim, "no rank on worker 1"
+        done = max(step_losses(worker0.log()))
+        killed_at = time.monotonic()
+        os.kill(victim[0], signal.SIGKILL)
+        # Both workers see their run fail (worker 0 through the collective, within dist_timeout_s = 20)...
+        for worker in (worker0, worker1):
+            wait_for(lambda w=worker: "DeepSpeed exited with status" in w.log(), 20 + 30,
+                     f"{worker.name}'s run to fail", worker.log)
+        failed_after = time.monotonic() - killed_at
+        # ...meet again at the barrier and resume, in the same pods.
+        codes = [wait(p, timeout=300) for p in processes]
+        log0 = worker0.log()
+        assert codes == [0, 0], log0[-4000:] + worker1.log()[-3000:]
+        assert "retry 1 of 1: meeting the other workers at the start barrier" in log0
+        assert log0.count("gang-barrier 0: all 2 workers are here") == 2
+        resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log0).group(1))
+        assert 40 <= resumed <= done + 20 and resumed % 20 == 0
+        assert max(step_losses(log0)) == 400
+        assert failed_after < 20 + 30, f"the run took {failed_after:.0f}s to fail everywhere"
+        assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
+
+
+def test_nossh_a_lost_worker_is_replaced_and_joins_the_others_at_the_barrier(shared_dir):
+    """A node dies (every process of worker 1 killed): the surviving worker's run fails and it waits at the
+    barrier; the Job controller's replacement pod joins it there and the job resumes."""
+    docs = render(nossh_values(shared_dir, retries=1, steps=200, log_every=10, checkpoint_every=20))
+    with Cluster(docs) as cluster:
+        worker0, worker1 = cluster.pods_of("worker")
+        first = cluster.start(worker0)
+        cluster.start(worker1)
+        ckpt = cluster.claim_dir("checkpoints")
+        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", worker0.log)
+        cluster.kill(worker1)
+        wait_for(lambda: "retry 1 of 1" in worker0.log(), 20 + 30, "worker 0 to retry", worker0.log)
+        replacement = cluster.start(worker1, log_name="worker1-replacement", new_pod=True)
+        codes = [wait(first, timeout=300), wait(replacement, timeout=60)]
+        assert codes == [0, 0], worker0.log()[-4000:] + worker1.log()[-3000:]
+        assert re.search(r"resumed from \S+step_000000[4-9]0 at step", worker0.log())
+        assert max(step_losses(worker0.log())) == 200
+
+
+def test_nossh_a_worker_with_another_rank_count_fails_loudly_and_is_not_retried(shared_dir):
+    docs = render(nossh_values(shared_dir, retries=2))
+    with Cluster(docs) as cluster:
+        worker0, worker1 = cluster.pods_of("worker")
+        # Worker 1 sees a hostfile with 2 slots on its node: its launcher starts 2 ranks of a world of 3.
+        worker1.mounts = cluster._materialize(worker1)
+        hostfile = worker1.mounts["/etc/deepspeed/config"] / "hostfile"
+        lines = hostfile.read_text().splitlines()
+        hostfile.write_text(f"{lines[0]}\n{lines[1].replace('slots=1', 'slots=2')}\n")
+        processes = [cluster.start(worker0), cluster.start(worker1)]
+        code1 = wait(processes[1], timeout=120)
+        log1 = worker1.log()
+        assert code1 == 2, log1[-3000:]
+        assert "world size 3 (WORLD_SIZE from DeepSpeed's launcher), but the chart runs 2 ranks" in log1
+        assert "status 2 is a configuration error" in log1 and "retry" not in log1
+        cluster.kill(worker0)  # the Job's podFailurePolicy (FailJob on exit status 2) ends the others
