@@ -36,9 +36,10 @@ class HelmError(RuntimeError):
 
 def render_chart(values: dict | None = None, *, show_only: list[str] | None = None, values_files=(),
                  helm: str | None = None, release: str = "job", namespace: str = "default",
-                 with_image: bool = True) -> list[dict]:
+                 with_image: bool = True, api_versions=()) -> list[dict]:
     """Renders the chart with `values` (merged over the ci/default image unless with_image=False) and
-    returns its documents. Raises HelmError with helm's stderr when helm refuses."""
+    returns its documents; `api_versions` are what the cluster would serve (`--api-versions`). Raises HelmError
+    with helm's stderr when helm refuses."""
     helm = helm or HELM
     if helm is None:
         raise RuntimeError("no helm binary: run `make setup`")
@@ -52,6 +53,8 @@ def render_chart(values: dict | None = None, *, show_only: list[str] | None = No
         files = ([write(0, IMAGE)] if with_image else []) + list(values_files) + ([write(1, values)] if values else [])
         for f in files:
             cmd += ["--values", str(f)]
+        for api in api_versions:
+            cmd += ["--api-versions", api]
         for template in show_only or []:
             cmd += ["--show-only", f"templates/{template}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,0 +1,169 @@
+"""Render tests of the two launch modes (ssh, nossh) and of the gang-scheduling objects: what each mode creates,
+what it leaves out, and how its pods find each other. The e2e tier (tests/e2e/test_nossh.py) runs them."""
+
+import pytest
+
+from tests.helm_template import HelmError, by_kind, container, env_of, one, render_chart
+
+NOSSH = {"launchMode": "nossh", "checkpoints": {"existingClaim": "ckpt"}}
+GANG_APIS = ["scheduling.k8s.io/v1alpha1", "scheduling.k8s.io/v1alpha2", "scheduling.k8s.io/v1beta1"]
+
+
+def workers_job(docs: list[dict]) -> dict:
+    return one(docs, "Job", "-worker-r1")
+
+
+def test_nossh_renders_no_ssh_no_launcher_no_token():
+    docs = render_chart(NOSSH)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Service", "ServiceAccount"]
+    scripts = one(docs, "ConfigMap", "-scripts")
+    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "nossh-worker.sh", "gang-barrier.py"}
+    text = str([d for d in docs if d is not scripts])
+    assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
+    assert [p["port"] for p in one(docs, "Service")["spec"]["ports"]] == [29500]
+    config = one(docs, "ConfigMap", "-config")["data"]
+    assert set(config) == {"ds_config.json", "train_config.json", "hostfile"}
+    job = workers_job(docs)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["restartPolicy"] == "Never"
+    assert [p["name"] for p in container(job)["ports"]] == ["rendezvous", "barrier"]
+    assert [p["containerPort"] for p in container(job)["ports"]] == [29500, 29501]
+    assert "readinessProbe" not in container(job)
+
+
+def test_nossh_pods_pass_the_restricted_profile_with_no_opt_in():
+    docs = render_chart(NOSSH)
+    job = workers_job(docs)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    ctx = container(job)["securityContext"]
+    assert ctx == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+                   "readOnlyRootFilesystem": True}
+    assert "deepspeed-training/security-relaxations" not in job["spec"]["template"]["metadata"]["annotations"]
+    assert all(set(v) & {"configMap", "emptyDir", "persistentVolumeClaim"} for v in pod["volumes"])
+    assert one(docs, "NetworkPolicy")
+
+
+def test_nossh_workers_are_an_indexed_job_that_finds_worker_0_through_the_headless_service():
+    docs = render_chart({**NOSSH, "worker": {"replicas": 3, "gpusPerWorker": 2}})
+    job, service = workers_job(docs), one(docs, "Service")
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 3
+    pod = job["spec"]["template"]
+    assert pod["spec"]["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    domain = f"{service['metadata']['name']}.default.svc.cluster.local"
+    hosts = [f"job-deepspeed-training-worker-r1-{i}.{domain} slots=2" for i in range(3)]
+    assert one(docs, "ConfigMap", "-config")["data"]["hostfile"] == "\n".join(hosts) + "\n"
+    args = container(job)["args"]
+    assert args[:5] == ["deepspeed", "--hostfile=/etc/deepspeed/config/hostfile", "--no_ssh",
+                        f"--master_addr=job-deepspeed-training-worker-r1-0.{domain}", "--master_port=29500"]
+    assert container(job)["command"] == ["bash", "/etc/deepspeed/scripts/nossh-worker.sh"]
+    assert env_of(job)["DS_WORLD_SIZE"] == "6" and env_of(job)["DS_BARRIER_PORT"] == "29501"
+
+
+def test_nossh_env_reaches_the_ranks_as_pod_env():
+    env = [{"name": "MARKER", "value": "x"}, {"name": "TOKEN_FILE", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}}}]
+    docs = render_chart({**NOSSH, "env": env})
+    assert env_of(workers_job(docs))["MARKER"] == "x"
+    assert env_of(workers_job(docs))["TOKEN_FILE"] == {"secretKeyRef": {"name": "s", "key": "k"}}
+    ssh = render_chart({"env": env})
+    assert "MARKER" not in env_of(one(ssh, "StatefulSet"))  # ssh mode: through .deepspeed_env
+    assert one(ssh, "ConfigMap", "-config")["data"]["deepspeed_env"] == "MARKER=x\n"
+
+
+def test_both_modes_retry_runs_in_the_pods_and_fail_the_job_on_a_configuration_error():
+    for docs, job in ((render_chart(), "-launcher-1"), (render_chart(NOSSH), "-worker-r1")):
+        spec = one(docs, "Job", job)["spec"]
+        assert spec["podFailurePolicy"]["rules"][1] == {"action": "FailJob",
+                                                         "onExitCodes": {"operator": "In", "values": [2]}}
+        assert env_of(one(docs, "Job", job))["DS_RUN_RETRIES"] == "2"
+
+
+def test_the_ssh_launcher_waits_for_the_current_worker_template():
+    base = render_chart()
+    sts, job = one(base, "StatefulSet"), one(base, "Job")
+    assert env_of(sts)["DS_WORKER_TEMPLATE"] == env_of(job)["DS_WORKER_TEMPLATE"]
+    # A change to the workers changes the hash; one to the launcher alone does not.
+    worker_change = render_chart({"worker": {"shmSize": "2Gi"}})
+    launcher_change = render_chart({"launcher": {"waitTimeoutSeconds": 30}})
+    assert env_of(one(worker_change, "Job"))["DS_WORKER_TEMPLATE"] != env_of(job)["DS_WORKER_TEMPLATE"]
+    assert env_of(one(launcher_change, "Job"))["DS_WORKER_TEMPLATE"] == env_of(job)["DS_WORKER_TEMPLATE"]
+
+
+@pytest.mark.parametrize("api", GANG_APIS)
+@pytest.mark.parametrize("mode", ["ssh", "nossh"])
+def test_native_gang_objects_follow_the_cluster_api(api, mode, monkeypatch):
+    values = {"launchMode": mode, "checkpoints": {"existingClaim": "ckpt"}, "worker": {"replicas": 3},
+              "scheduling": {"gangScheduling": True}}
+    docs = render_chart(values, api_versions=[f"{api}/Workload"])
+    workload = one(docs, "Workload")
+    assert workload["apiVersion"] == api
+    gang = 3 + (1 if mode == "ssh" else 0)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Job")]
+    assert len(pods) == (2 if mode == "ssh" else 1)
+    if api.endswith("v1alpha1"):
+        assert workload["spec"]["podGroups"] == [{"name": "gang", "policy": {"gang": {"minCount": gang}}}]
+        assert not by_kind(docs, "PodGroup")
+        assert all(p["workloadRef"] == {"name": "job-deepspeed-training", "podGroup": "gang"} for p in pods)
+    else:
+        assert workload["spec"]["podGroupTemplates"] == [
+            {"name": "gang", "schedulingPolicy": {"gang": {"minCount": gang}}}]
+        group = one(docs, "PodGroup")
+        assert group["apiVersion"] == api and group["spec"]["schedulingPolicy"] == {"gang": {"minCount": gang}}
+        ref = {"workloadName": "job-deepspeed-training"}
+        if api.endswith("v1alpha2"):
+            assert group["spec"]["podGroupTemplateRef"] == {"workload": {**ref, "podGroupTemplateName": "gang"}}
+        else:
+            assert group["spec"]["workloadRef"] == {**ref, "templateName": "gang"}
+        assert all(p["schedulingGroup"] == {"podGroupName": "job-deepspeed-training"} for p in pods)
+
+
+def test_the_newest_gang_api_wins_and_none_is_refused():
+    values = {"scheduling": {"gangScheduling": True}}
+    docs = render_chart(values, api_versions=[f"{api}/Workload" for api in GANG_APIS])
+    assert one(docs, "Workload")["apiVersion"] == "scheduling.k8s.io/v1beta1"
+    with pytest.raises(HelmError, match="scheduling.gangScheduling: the cluster serves no scheduling.k8s.io Workload"):
+        render_chart(values)
+    assert not by_kind(render_chart(), "Workload")
+
+
+def test_volcano_gang_covers_the_pods_of_each_mode():
+    volcano = {"scheduling": {"volcano": {"enabled": True}}, "worker": {"replicas": 3}}
+    assert one(render_chart(volcano), "PodGroup")["spec"]["minMember"] == 4
+    assert one(render_chart({**volcano, **NOSSH}), "PodGroup")["spec"]["minMember"] == 3
+
+
+def test_kueue_queue_and_rank_ordered_topology_go_on_the_workers():
+    kueue = {"scheduling": {"kueueQueueName": "team-a", "kueueTopology": {
+        "mode": "required", "level": "cloud.provider.com/topology-rack"}}}
+    for docs in (render_chart(kueue), render_chart({**kueue, **NOSSH})):
+        for workload in (d for d in docs if d["kind"] in ("StatefulSet", "Job")):
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            annotations = workload["spec"]["template"]["metadata"]["annotations"]
+            assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
+            is_worker = labels["app.kubernetes.io/component"] == "worker"
+            assert (annotations.get("kueue.x-k8s.io/podset-required-topology")
+                    == ("cloud.provider.com/topology-rack" if is_worker else None))
+
+
+@pytest.mark.parametrize("values, message", [
+    ({**NOSSH, "checkpoints": {"volumeClaimSpec": {"accessModes": ["ReadWriteOnce"]}}, "worker": {"replicas": 1}},
+     "checkpoints.volumeClaimSpec (a PVC per worker) needs the StatefulSet of launchMode ssh"),
+    ({**NOSSH, "deepspeed": {"masterPort": 65535}}, "deepspeed.masterPort: 65535 leaves no port for the start barrier"),
+    ({"scheduling": {"kueueTopology": {"mode": "required", "level": ""}, "kueueQueueName": "q"}},
+     "scheduling.kueueTopology: mode \"required\" and level \"\" go together"),
+    ({"scheduling": {"kueueTopology": {"mode": "preferred", "level": "rack"}}},
+     "scheduling.kueueTopology needs scheduling.kueueQueueName"),
+    ({"scheduling": {"gangScheduling": True, "volcano": {"enabled": True}}}, "two gang schedulers"),
+    ({"launchMode": "mpi"}, "launchMode"),
+])
+def test_launch_mode_mistakes_stop_at_render(values, message):
+    with pytest.raises(HelmError) as err:
+        render_chart(values, api_versions=["scheduling.k8s.io/v1alpha2/Workload"])
+    assert message in err.value.stderr
