@@ -379,15 +379,23 @@ def human(size: float) -> str:
 
 
 RELAXATIONS_ANNOTATION = "deepspeed-training/security-relaxations"  # set by the chart's _validate.tpl
+LAUNCH_MODES = {"ssh": "ssh (a launcher Job runs deepspeed over pdsh to the workers' sshd)",
+                "nossh": "nossh (an Indexed Job: each worker runs deepspeed for its node rank, no sshd)"}
+
+
+def worker_pod_template(manifests: str) -> dict:
+    """The workers' pod template: the StatefulSet's (launchMode ssh) or the Indexed Job's (nossh)."""
+    for doc in yaml.safe_load_all(manifests):
+        if doc and doc.get("kind") in ("StatefulSet", "Job") and \
+                doc["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "worker":
+            return doc["spec"]["template"]
+    raise DeployError("the chart rendered no worker pods")
 
 
 def security_relaxations(manifests: str) -> list[str]:
     """The relaxed security defaults the chart reports on the worker pods (empty for the defaults)."""
-    for doc in yaml.safe_load_all(manifests):
-        if doc and doc.get("kind") == "StatefulSet":
-            text = doc["spec"]["template"]["metadata"].get("annotations", {}).get(RELAXATIONS_ANNOTATION, "")
-            return [item for item in text.split("; ") if item]
-    return []
+    text = worker_pod_template(manifests)["metadata"].get("annotations", {}).get(RELAXATIONS_ANNOTATION, "")
+    return [item for item in text.split("; ") if item]
 
 
 def plan(r: Rendered, context: str | None, manifests: str) -> str:
@@ -408,6 +416,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"  batch       micro {batch[0]} x accumulation {batch[1]} x world {r.world_size} = global {batch[2]}",
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
+        f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['launcher']['runRetries']} run "
+        f"retries in the pods, then {r.effective['launcher']['backoffLimit']} new pods (backoffLimit)",
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),
     ]
@@ -510,8 +520,9 @@ def deploy(r: Rendered, context: str | None, dry_run: bool, wait: bool, manifest
 
 
 def demo(r: Rendered, manifests: str) -> int:
-    """The rendered program as a local DeepSpeed job, one rank per worker slot: the launcher Job's own command
-    (so the chart's program conventions apply), with its pod paths pointed at build/."""
+    """The rendered program as a local DeepSpeed job, one rank per worker slot: the `deepspeed` command of the
+    chart's Job (the launcher's, or in launchMode nossh the workers'), so the chart's program conventions apply,
+    with its pod paths pointed at build/."""
     ckpt = BUILD / "demo" / (r.project or "base") / "checkpoints"  # one per project: programs differ
     job = next(doc for doc in yaml.safe_load_all(manifests) if doc and doc["kind"] == "Job")
     launcher = job["spec"]["template"]["spec"]["containers"][0]

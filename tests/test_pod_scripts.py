@@ -123,7 +123,8 @@ else:
 while True:
     time.sleep(1)
 '''
-children = [subprocess.Popen([sys.executable, "-c", rank, s, "--local_rank=0"]) for s in ("starting", "training", "acks")]
+children = [subprocess.Popen([sys.executable, "-c", rank, s, "--local_rank=0"])
+            for s in ("starting", "training", "acks")]
 print("codes", [c.wait() for c in children], flush=True)
 """
 
@@ -135,7 +136,8 @@ def test_kill_ranks_does_not_hold_the_pod_for_ranks_that_cannot_save(docs):
         worker = cluster.pods_of("worker")[0]
         script = (f"cat > /tmp/fake_launch.py <<'EOF'\n{FAKE_LAUNCH}\nEOF\n"
                   f"export DS_KILL_GRACE_SECONDS=60 PYTHONPATH={ROOT}; "
-                  "python3 /tmp/fake_launch.py deepspeed.launcher.$(echo launch) > /tmp/launch.log 2>&1 & "  # not this shell
+                  # $(echo launch): this shell's own command line must not look like a launcher
+                  "python3 /tmp/fake_launch.py deepspeed.launcher.$(echo launch) > /tmp/launch.log 2>&1 & "
                   "for i in $(seq 100); do [[ $(ls $DS_RANK_STATE_DIR 2> /dev/null | wc -l) == 3 ]] && break; "
                   "sleep 0.2; done; "
                   f"start=$SECONDS; bash {SCRIPTS}/kill-ranks.sh; echo \"took $((SECONDS - start))s\"; wait; "

@@ -1,5 +1,9 @@
 """In-process checks of the train package's pieces: config, ds_config checks, data sharding, tokenizer."""
 
+import os
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -7,6 +11,8 @@ from train import dsconfig
 from train.config import ConfigError, DataConfig, ModelConfig, parse_args
 from train.data import DataError, SyntheticData, TokenFileData, shard_bounds
 from train.tokenize import decode, encode
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_flags_override_the_config_file(tmp_path):
@@ -102,3 +108,24 @@ def test_tokenizer_round_trips_text():
     tokens = encode(text)
     assert tokens.dtype == np.dtype("<u2") and tokens.max() < 256
     assert decode(tokens) == text
+
+
+def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_path, monkeypatch):
+    from train import rankstate
+    monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))
+    for state in rankstate.STATES:
+        rankstate.report(state)
+        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == state
+    assert [p.name for p in (tmp_path / "ranks").iterdir()] == [str(os.getpid())]  # no temporary file left
+    rankstate.clear()
+    assert not list((tmp_path / "ranks").iterdir())
+    monkeypatch.delenv("DS_RANK_STATE_DIR")
+    rankstate.report("starting")  # outside the chart: nothing written, nothing raised
+
+
+def test_kill_ranks_reads_the_states_the_train_package_writes():
+    from train import rankstate
+    script = (ROOT / "charts" / "deepspeed-training" / "files" / "kill-ranks.sh").read_text()
+    read = set(re.findall(r"kill_where ([a-z]+) ", script))
+    assert read == {"starting", "training"} and read < set(rankstate.STATES)
+    assert "`stopping`" in script  # the acknowledged state it leaves to the grace period
