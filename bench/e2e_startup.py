@@ -1,13 +1,15 @@
-"""Start-up cost of the chart's pods, and the fault drill, on namespace hosts (tests/e2e/harness.py; root).
+"""Start-up cost of the chart's pods in both launch modes, and the fault drill, on namespace hosts
+(tests/e2e/harness.py; root).
 
-1. Time from "all pods started" (workers and launcher at once, as a Job and StatefulSet start) to the first
-   logged optimizer step, against the launcher pod's own command started once the workers' sshd already
-   answers (what is left once pods exist: the SSH checks, clearing stale ranks, `deepspeed --hostfile`).
-   Prints both and the ratio (goal <= 1.2).
-2. Fault drill: N times, SIGKILL one worker's rank mid-run, let the launcher fail, start a new launcher
-   attempt, and count the steps lost (trained before the kill, minus the checkpoint it resumed from).
+1. Start-up: time from "all pods started" (as a Job and StatefulSet start them) to the first logged optimizer
+   step, for launchMode ssh (sshd workers + launcher: SSH checks, clearing stale ranks, pdsh) and nossh (the
+   start barrier, then `deepspeed --no_ssh` per pod), against bare `deepspeed --no_ssh` started directly on
+   each host with the same hostfile and program (no entrypoint scripts, no SSH, no barrier). Goal: <= 1.1x bare.
+2. Fault drill, both modes: SIGKILL one rank of worker 1 mid-run and measure the time from the kill to the
+   first optimizer step of the retry (in-pod retry: launcher.runRetries), the steps lost, and the pods
+   recreated (none: the cost does not grow with the number of workers). Goal: <= 15 s on 2 hosts.
 
-    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 3]
+    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 2]
 """
 
 import argparse
@@ -32,60 +34,86 @@ def wait_for_text(pod, pattern: re.Pattern, timeout: float) -> float:
     return wait_for(lambda: pattern.search(pod.log()), timeout, f"{pod.name}: {pattern.pattern!r}", pod.log, 0.05)
 
 
-def values(extensions: Path, **train) -> dict:
+def values(extensions: Path, mode: str, **train) -> dict:
     v = e2e_values(extensions, **train)
     v["train"]["module"] = "train"
+    v["launchMode"] = mode
+    v["launcher"]["runRetries"] = 1
     return v
 
 
-def chart_startup(extensions: Path) -> float:
-    with Cluster(render(values(extensions, steps=5, log_every=1, checkpoint_every=0))) as cluster:
+def rank0_pod(cluster: Cluster):
+    """Where rank 0's log lines land: the launcher (ssh, pdsh relays them) or worker 0 (nossh)."""
+    return (cluster.pods_of("launcher") or cluster.pods_of("worker"))[0]
+
+
+def job_pods(cluster: Cluster) -> list:
+    """The pods that end with the run (the Job's): the launcher (ssh; sshd workers run on) or every worker."""
+    return cluster.pods_of("launcher") or cluster.pods_of("worker")
+
+
+def chart_startup(extensions: Path, mode: str) -> float:
+    with Cluster(render(values(extensions, mode, steps=5, log_every=1, checkpoint_every=0))) as cluster:
         started = time.monotonic()
         for pod in cluster.pods:  # every pod at once
             cluster.start(pod)
-        launcher = cluster.pods_of("launcher")[0]
-        first = wait_for_text(launcher, FIRST_STEP, 300)
-        launcher.process.wait(timeout=120)
+        first = wait_for_text(rank0_pod(cluster), FIRST_STEP, 300)
+        for pod in job_pods(cluster):
+            pod.process.wait(timeout=120)
         return first - started
 
 
-def warm_startup(extensions: Path) -> float:
-    """The launcher pod's own command once every worker's sshd already answers (the chart without pod start)."""
-    with Cluster(render(values(extensions, steps=5, log_every=1, checkpoint_every=0))) as cluster:
-        cluster.start_workers()
-        launcher = cluster.pods_of("launcher")[0]
+def bare_startup(extensions: Path) -> float:
+    """`deepspeed --no_ssh --node_rank=i` started directly on every host: the chart's own deepspeed command
+    and program, nothing around it."""
+    with Cluster(render(values(extensions, "nossh", steps=5, log_every=1, checkpoint_every=0))) as cluster:
+        workers = cluster.pods_of("worker")
         started = time.monotonic()
-        process = cluster.start(launcher)
-        first = wait_for_text(launcher, FIRST_STEP, 300)
-        process.wait(timeout=120)
+        processes = []
+        for i, worker in enumerate(workers):
+            command = worker.container["args"]
+            processes.append(cluster.start(worker, [command[0], f"--node_rank={i}", *command[1:]],
+                                           log_name=f"{worker.name}-bare"))
+        worker0_log = cluster.tmp / f"{workers[0].name}-bare.log"
+        first = wait_for(lambda: worker0_log.exists() and FIRST_STEP.search(worker0_log.read_text(errors="replace")),
+                         300, "the first step", interval=0.05)
+        for process in processes:
+            process.wait(timeout=120)
         return first - started
 
 
-def fault_trial(extensions: Path) -> dict:
-    with Cluster(render(values(extensions, steps=300, log_every=1, checkpoint_every=20))) as cluster:
-        workers = cluster.start_workers()
-        launcher = cluster.pods_of("launcher")[0]
-        first = cluster.start(launcher)
-        wait_for_text(launcher, re.compile(r"INFO step 5[0-9]/"), 300)
-        victim = next(p for p in cluster.rank_pids(workers[1])
+def fault_trial(extensions: Path, mode: str) -> dict:
+    with Cluster(render(values(extensions, mode, steps=200, log_every=1, checkpoint_every=20))) as cluster:
+        for pod in cluster.pods:
+            cluster.start(pod)
+        log_pod = rank0_pod(cluster)
+        wait_for_text(log_pod, re.compile(r"INFO step 5[0-9]/"), 300)
+        worker1 = cluster.pods_of("worker")[1]
+        victim = next(p for p in cluster.rank_pids(worker1)
                       if "--local_rank=" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+        done = max(step_losses(log_pod.log()))
+        attempts = {pod.name: pod.attempt for pod in cluster.pods}
         killed = time.monotonic()
-        done = max(step_losses(launcher.log()))
         os.kill(victim, signal.SIGKILL)
-        first.wait(timeout=180)
-        failed_after = time.monotonic() - killed
-        retry = cluster.start(launcher, log_name="retry", new_pod=True)
-        code = retry.wait(timeout=600)
-        log = launcher.log()
+
+        def resumed_step():
+            log = log_pod.log()
+            at = log.rfind("resumed from")
+            return at >= 0 and re.search(r"INFO step \d+/", log[at:])
+
+        recovered = wait_for(resumed_step, 300, "the first step after the resume", log_pod.log, 0.05)
+        codes = [pod.process.wait(timeout=600) for pod in job_pods(cluster)]
+        log = log_pod.log()
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log).group(1))
-        return {"failed_after_s": failed_after, "trained": done, "resumed": resumed, "lost": done - resumed,
-                "retry_ok": code == 0 and max(step_losses(log)) == 300}
+        recreated = [pod.name for pod in cluster.pods if pod.attempt != attempts[pod.name]]
+        return {"recovery_s": recovered - killed, "trained": done, "resumed": resumed, "lost": done - resumed,
+                "recreated": len(recreated), "ok": codes == [0] * len(codes) and max(step_losses(log)) == 200}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=2)
     args = parser.parse_args()
     reason = namespaces_available()
     if reason:
@@ -93,23 +121,26 @@ def main() -> int:
         return 1
     ensure_user(UID, "/home/deepspeed")
     extensions = prebuilt_ops_for_pods(UID)
-    chart, warm = [], []
-    for _ in range(args.repeats):  # interleaved
-        warm.append(warm_startup(extensions))
-        chart.append(chart_startup(extensions))
-    print("start-up to the first optimizer step (2 workers x 1 CPU rank, ZeRO-2)")
-    print(f"{'':<44}{'median s':>9}{'runs':>30}")
-    print(f"{'chart pods, all started at once':<44}{statistics.median(chart):>9.1f}"
-          f"{' '.join(f'{x:.1f}' for x in chart):>30}")
-    print(f"{'launcher on already-running workers':<44}{statistics.median(warm):>9.1f}"
-          f"{' '.join(f'{x:.1f}' for x in warm):>30}")
-    print(f"{'ratio (goal <= 1.2)':<44}{statistics.median(chart) / statistics.median(warm):>9.2f}")
-    print("\nfault drill: SIGKILL one rank at step ~50 of 300, checkpoint every 20, dist_timeout_s 20")
-    print(f"{'trial':<7}{'job failed after s':>20}{'trained':>9}{'resumed':>9}{'steps lost':>12}{'retry ok':>10}")
-    for i in range(args.trials):
-        t = fault_trial(extensions)
-        print(f"{i + 1:<7}{t['failed_after_s']:>20.1f}{t['trained']:>9}{t['resumed']:>9}{t['lost']:>12}"
-              f"{str(t['retry_ok']):>10}", flush=True)
+    rows = {"bare deepspeed --no_ssh per host": [], "chart, launchMode ssh": [], "chart, launchMode nossh": []}
+    for _ in range(args.repeats):  # interleaved, so drift hits every row alike
+        rows["bare deepspeed --no_ssh per host"].append(bare_startup(extensions))
+        rows["chart, launchMode ssh"].append(chart_startup(extensions, "ssh"))
+        rows["chart, launchMode nossh"].append(chart_startup(extensions, "nossh"))
+    bare = statistics.median(rows["bare deepspeed --no_ssh per host"])
+    print("start-up: all pods started -> first optimizer step (2 hosts x 1 CPU rank, ZeRO-2)")
+    print(f"{'':<36}{'median s':>9}{'vs bare':>9}   runs")
+    for name, runs in rows.items():
+        print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
+              + " ".join(f"{x:.1f}" for x in runs))
+    print("\nfault drill: SIGKILL a rank of worker 1 at step ~50 of 200, checkpoint every 20, dist_timeout_s 20, "
+          "runRetries 1")
+    print(f"{'mode':<7}{'trial':>6}{'kill -> first step of retry s':>32}{'trained':>9}{'resumed':>9}{'lost':>6}"
+          f"{'pods recreated':>16}{'finished':>10}")
+    for mode in ("ssh", "nossh"):
+        for i in range(args.trials):
+            t = fault_trial(extensions, mode)
+            print(f"{mode:<7}{i + 1:>6}{t['recovery_s']:>32.1f}{t['trained']:>9}{t['resumed']:>9}{t['lost']:>6}"
+                  f"{t['recreated']:>16}{str(t['ok']):>10}", flush=True)
     return 0
 
 

@@ -24,6 +24,7 @@ SMALL_NODE = CHART / "ci" / "09-small-node-values.yaml"
 RELEASE = "ci"
 LAUNCHER = f"{RELEASE}-deepspeed-training-launcher-1"  # one Job per Helm revision
 WORKERS = f"{RELEASE}-deepspeed-training-worker"
+NOSSH_WORKERS = f"{RELEASE}-deepspeed-training-worker-r1"  # launchMode nossh: the workers' Indexed Job
 
 
 def skip_reason() -> str | None:
@@ -65,10 +66,10 @@ def wait_for(predicate, timeout: float, what: str, diagnose=lambda: ""):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
 
 
-def job_outcome(namespace: str) -> str | None:
+def job_outcome(namespace: str, job: str = LAUNCHER) -> str | None:
     """"Complete" or "Failed" once the Job has that condition, wherever it stands in the list (Kubernetes >= 1.31
     lists SuccessCriteriaMet first; pytest-helm-charts 1.3.5's wait reads only the first condition)."""
-    conditions = get("job", LAUNCHER, namespace).get("status", {}).get("conditions", [])
+    conditions = get("job", job, namespace).get("status", {}).get("conditions", [])
     done = [c["type"] for c in conditions if c["type"] in ("Complete", "Failed") and c["status"] == "True"]
     return done[0] if done else None
 
@@ -114,7 +115,7 @@ def shared_claim(namespace) -> str:
     return "checkpoints"
 
 
-def install(namespace: str, steps: int, **values) -> None:
+def install(namespace: str, steps: int, action: str = "install", **values) -> None:
     repository, _, tag = IMAGE.rpartition(":")
     layer = {"image": {"repository": repository, "tag": tag, "pullPolicy": "IfNotPresent"},
              "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
@@ -125,7 +126,7 @@ def install(namespace: str, steps: int, **values) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(layer, f)
         f.flush()
-        subprocess.run([HELM, "install", RELEASE, str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
+        subprocess.run([HELM, action, RELEASE, str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
                         "-f", f.name], check=True, capture_output=True, text=True)
 
 
@@ -158,9 +159,10 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
              "the launcher to scale the workers to 0")
 
 
-def test_a_killed_rank_fails_the_attempt_and_the_retry_resumes(namespace, shared_claim):
+def test_a_killed_rank_fails_the_attempt_and_the_jobs_retry_resumes(namespace, shared_claim):
+    """runRetries 0: the launcher pod fails and the Job controller's next pod resumes."""
     install(namespace, steps=150, train_config={"checkpoint_every": 10}, checkpoints={"existingClaim": shared_claim},
-            launcher={"scaleDownWorkers": False})
+            launcher={"scaleDownWorkers": False, "runRetries": 0})
     wait_for(lambda: latest_checkpoint(namespace) >= "step_00000020", 300, "checkpoint 20",
              lambda: diagnose(namespace))
     worker_exec(namespace, 1, "pkill", "-KILL", "-f", "--", "--local_rank=")
@@ -193,3 +195,60 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
                          "a new launcher attempt to resume", lambda: diagnose(namespace))
     assert f"resumed from /checkpoints/{saved} at step {int(saved.removeprefix('step_'))}" in retry_log
     kubectl("scale", "statefulset", WORKERS, "--replicas=0", namespace=namespace)  # end the endless run
+
+
+def nossh_pod(namespace: str, index: int) -> str:
+    """The running pod of one completion index of the nossh workers' Job (its name has a random suffix)."""
+    pods = json.loads(kubectl("get", "pods", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-"
+                              f"index={index}", "-o", "json", namespace=namespace))["items"]
+    running = [p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running"]
+    return running[0] if running else ""
+
+
+def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_place(namespace, shared_claim):
+    install(namespace, steps=120, launchMode="nossh", train_config={"checkpoint_every": 10},
+            checkpoints={"existingClaim": shared_claim})
+    job = get("job", NOSSH_WORKERS, namespace)
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert not kubectl("get", "secrets,statefulsets,roles", "-o", "name", namespace=namespace).strip()
+
+    def checkpoint_20():
+        pod = nossh_pod(namespace, 0)
+        return pod and kubectl("exec", pod, "--", "cat", "/checkpoints/latest", namespace=namespace,
+                               check=False).strip() >= "step_00000020"
+
+    wait_for(checkpoint_20, 300, "checkpoint 20", lambda: diagnose(namespace))
+    # The Job controller gave worker 0 the host name the hostfile and --master_addr use.
+    worker0 = nossh_pod(namespace, 0)
+    assert kubectl("exec", worker0, "--", "hostname", namespace=namespace).strip() == f"{NOSSH_WORKERS}-0"
+    assert kubectl("exec", worker0, "--", "pgrep", "-c", "sshd", namespace=namespace, check=False).strip() == "0"
+    kubectl("exec", nossh_pod(namespace, 1), "--", "pkill", "-KILL", "-f", "--", "--local_rank=", namespace=namespace)
+    outcome = wait_for(lambda: job_outcome(namespace, NOSSH_WORKERS), 400, "the workers' Job to finish",
+                       lambda: diagnose(namespace))
+    assert outcome == "Complete", diagnose(namespace)
+    status = get("job", NOSSH_WORKERS, namespace)["status"]
+    assert status.get("succeeded") == 2 and not status.get("failed")  # retried in place: no pod recreated
+    logs = kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
+                   "--timestamps", "--tail=-1", namespace=namespace)
+    assert "retry 1 of 2: meeting the other workers at the start barrier" in logs, logs[-4000:]
+    assert "resumed from /checkpoints/step_" in logs and "INFO step 120/120" in logs
+
+
+def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_template(namespace, shared_claim):
+    """Seen before the fix: the new launcher passed its worker check against the OLD pods at once, pdsh then hit
+    a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds."""
+    values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10}}
+    install(namespace, steps=300, launcher={"scaleDownWorkers": False}, **values)
+    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
+             lambda: diagnose(namespace))
+    # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
+    install(namespace, steps=300, action="upgrade", launcher={"scaleDownWorkers": False},
+            worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
+    second = f"{RELEASE}-deepspeed-training-launcher-2"
+    outcome = wait_for(lambda: job_outcome(namespace, second), 400, "the new launcher to finish",
+                       lambda: diagnose(namespace))
+    logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace)
+    assert outcome == "Complete", diagnose(namespace)
+    assert not get("job", second, namespace)["status"].get("failed")
+    assert "retry" not in logs and "resumed from /checkpoints/step_" in logs and "INFO step 300/300" in logs
+    print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
