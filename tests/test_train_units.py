@@ -129,3 +129,27 @@ def test_kill_ranks_reads_the_states_the_train_package_writes():
     read = set(re.findall(r"kill_where ([a-z]+) ", script))
     assert read == {"starting", "training"} and read < set(rankstate.STATES)
     assert "`stopping`" in script  # the acknowledged state it leaves to the grace period
+
+
+def test_model_flops_per_token_follow_palm_by_hand():
+    from train import mfu
+    from train.model import GPT
+    assert mfu.flops_per_token(1000, 2, 64, 32) == 6 * 1000 + 12 * 2 * 64 * 32
+    # 1 layer, width 8, vocab 16, context 4. Weights that multiply: token embedding = tied output projection
+    # 16*8 = 128 (once); block: 2 LayerNorms 2*16, qkv 8*24+24, proj 8*8+8, MLP 8*32+32 and 32*8+8 = 872;
+    # final LayerNorm 16. The position embedding (4*8) is a lookup: left out.
+    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=8, vocab_size=16, seq_len=4))
+    assert mfu.model_flops_per_token(model, *model.shape(), 4) == 6 * (128 + 872 + 16) + 12 * 1 * 8 * 4 == 6480
+    assert mfu.mfu(1000.0, 6480, 1e-6) == pytest.approx(1000 * 6480 / 1e6)
+    assert mfu.mfu(1000.0, 6480, None) is None
+
+
+@pytest.mark.parametrize("name, half, peak", [
+    ("NVIDIA H200", True, 989.5), ("NVIDIA H100 80GB HBM3", True, 989.4), ("NVIDIA H100 PCIe", True, 756.0),
+    ("NVIDIA A100-SXM4-80GB", False, 156.0), ("NVIDIA GB200", True, 2500.0), ("NVIDIA B200", True, 2250.0),
+    ("NVIDIA L40S", True, 362.0), ("NVIDIA L4", True, 121.0), ("NVIDIA A10G", True, 70.0),
+    ("Tesla V100-PCIE-32GB", True, 112.0), ("AMD Instinct MI300X", True, 1307.4), ("cpu", True, None),
+])
+def test_peak_flops_match_the_most_specific_device_name(name, half, peak):
+    from train import mfu
+    assert mfu.peak_tflops(name, half) == peak

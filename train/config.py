@@ -61,6 +61,8 @@ class TrainConfig:
     keep_checkpoints: int = doc("Complete checkpoints to keep; older ones are deleted.", 3)
     dist_timeout_s: int = doc("Seconds a collective may wait for a peer before the rank fails.", 600)
     seed: int = doc("Seed of the model initialisation.", 0)
+    peak_tflops: float = doc("Peak TFLOP/s of one accelerator in the run's precision, for the MFU in the progress "
+                             "line and metrics.json; 0: from train/mfu.py's table of known GPUs (none on CPU).", 0.0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
@@ -69,6 +71,8 @@ class TrainConfig:
         for name in ("steps", "log_every", "keep_checkpoints", "dist_timeout_s"):
             _require(getattr(self, name) >= 1, name, "an integer >= 1", getattr(self, name))
         _require(self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0", self.checkpoint_every)
+        _require(0 <= self.peak_tflops < 1e6, "peak_tflops", "a number of TFLOP/s >= 0 (0: from the table)",
+                 self.peak_tflops)
 
 
 def _require(ok: bool, key: str, expected: str, got: Any) -> None:

@@ -17,7 +17,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from train import checkpoint, dsconfig, rankstate
+from train import checkpoint, dsconfig, mfu, rankstate
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, make_data
 from train.model import build_model, count_parameters
@@ -119,13 +119,40 @@ def agree(step_loss: torch.Tensor, stop: StopFlag, world_size: int) -> tuple[flo
     return shared[0].item() / world_size, shared[1].item() > 0
 
 
+@dataclass
+class Utilisation:
+    """What the MFU needs: the model's training FLOPs per token and one accelerator's peak (None: unknown)."""
+    flops_per_token: int
+    peak_tflops: float | None
+
+    def of(self, tokens_per_s: float, world_size: int) -> float | None:
+        return mfu.mfu(tokens_per_s / world_size, self.flops_per_token, self.peak_tflops)
+
+
+def utilisation(cfg: TrainConfig, model, half_precision: bool) -> Utilisation:
+    n_layer, d_model = model.shape()
+    flops = mfu.model_flops_per_token(model, n_layer, d_model, cfg.model.seq_len)
+    device = mfu.device_name()
+    peak = cfg.peak_tflops or mfu.peak_tflops(device, half_precision)
+    if peak:
+        logger.info(f"MFU against {peak:g} TFLOP/s per {device} ({'16' if half_precision else '32'}-bit), "
+                    f"{flops / 1e6:,.1f} MFLOPs per token")
+    else:
+        logger.info(f"no MFU: no peak TFLOP/s known for {device} (set peak_tflops)")
+    return Utilisation(flops, peak)
+
+
 def write_metrics(ckpt_dir: Path, losses: list[tuple[int, float]], tokens_per_step: int, elapsed: float,
-                  checkpoint_s: float, world_size: int, peak_rss: list[float]) -> None:
+                  checkpoint_s: float, world_size: int, peak_rss: list[float], use: Utilisation) -> None:
+    tokens_per_s = tokens_per_step * len(losses) / (elapsed - checkpoint_s)  # checkpoint time left out
     metrics = {
         "steps": losses[-1][0],
         "steps_run": len(losses),
         "final_loss": losses[-1][1],
-        "tokens_per_s": tokens_per_step * len(losses) / (elapsed - checkpoint_s),  # checkpoint time left out
+        "tokens_per_s": tokens_per_s,
+        "model_flops_per_token": use.flops_per_token,
+        "peak_tflops": use.peak_tflops,
+        "mfu": use.of(tokens_per_s, world_size),
         "elapsed_s": elapsed,
         "checkpoint_s": checkpoint_s,
         "world_size": world_size,
@@ -147,6 +174,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         f"{accum} accumulation x {world_size} ranks = {global_batch} | {count_parameters(model) / 1e6:.2f}M "
         f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}")
 
+    use = utilisation(cfg, model, dtype != "fp32")
     start_step, position = resume(engine, ckpt_dir, rank, world_size)
     if start_step >= cfg.steps:
         logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
@@ -169,10 +197,12 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
             now = time.perf_counter()
             interval_steps, last_logged = step - last_logged, step
             per_step = (now - started) / (step - start_step)
+            tokens_per_s = tokens_per_step * interval_steps / (now - interval_start)
+            utilised = use.of(tokens_per_s, world_size)
             logger.info(
                 f"step {step}/{cfg.steps} | loss {mean_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                f"{tokens_per_step * interval_steps / (now - interval_start):,.0f} tokens/s | "
-                f"{global_batch * interval_steps / (now - interval_start):.1f} samples/s | "
+                f"{tokens_per_s:,.0f} tokens/s | {global_batch * interval_steps / (now - interval_start):.1f} "
+                f"samples/s | {'' if utilised is None else f'mfu {utilised:.1%} | '}"
                 f"eta {format_eta(per_step * (cfg.steps - step))}")
             interval_start = now
         if ckpt_dir and (stopping or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
@@ -195,7 +225,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if losses:  # a run with nothing left to do keeps the last metrics
         if rank == 0 and ckpt_dir:
-            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, checkpoint_s, world_size, peak_rss)
+            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, checkpoint_s, world_size, peak_rss, use)
         logger.info(f"done: {len(losses)} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
     return status
 

@@ -59,6 +59,10 @@ class GPT(nn.Module):
     def describe(self) -> str:
         return "GPT"
 
+    def shape(self) -> tuple[int, int]:
+        """(layers, width), for the FLOPs per token (train/mfu.py)."""
+        return self.cfg.n_layer, self.cfg.d_model
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Returns the mean next-token cross-entropy of `idx` against `targets` (both [batch, seq])."""
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -92,6 +96,11 @@ class HFCausalLM(nn.Module):
 
     def describe(self) -> str:
         return f"{self.model.config.model_type} from {self.source}"
+
+    def shape(self) -> tuple[int, int]:
+        config = self.model.config
+        return (getattr(config, "num_hidden_layers", None) or config.n_layer,
+                getattr(config, "hidden_size", None) or config.n_embd)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=idx).logits
