@@ -161,9 +161,42 @@ def test_kueue_queue_and_rank_ordered_topology_go_on_the_workers():
     ({"scheduling": {"kueueTopology": {"mode": "preferred", "level": "rack"}}},
      "scheduling.kueueTopology needs scheduling.kueueQueueName"),
     ({"scheduling": {"gangScheduling": True, "volcano": {"enabled": True}}}, "two gang schedulers"),
-    ({"launchMode": "mpi"}, "launchMode"),
+    ({"launchMode": "mpi"}, "/launchMode"),
 ])
 def test_launch_mode_mistakes_stop_at_render(values, message):
     with pytest.raises(HelmError) as err:
         render_chart(values, api_versions=["scheduling.k8s.io/v1alpha2/Workload"])
+    assert message in err.value.stderr
+
+
+AUTOTUNE = {"launcher": {"autotuning": "tune"}, "train": {"script": "/data/code/train.py",
+                                                          "argsConvention": "deepspeed"}}
+
+
+def test_autotuning_runs_the_tuner_over_ssh_and_writes_to_the_checkpoint_volume():
+    import json
+    docs = render_chart({**AUTOTUNE, "deepspeed": {"config": {
+        "train_micro_batch_size_per_gpu": 4, "autotuning": {"metric": "throughput", "fast": False}}}})
+    args = container(one(docs, "Job"))["args"]
+    assert "--autotuning=tune" in args and args.index("--autotuning=tune") < args.index("/data/code/train.py")
+    assert args[args.index("/data/code/train.py") + 1:][:3] == ["--deepspeed", "--deepspeed_config",
+                                                              "/etc/deepspeed/config/ds_config.json"]
+    tuned = json.loads(one(docs, "ConfigMap", "-config")["data"]["ds_config.json"])["autotuning"]
+    assert tuned == {"enabled": True, "metric": "throughput", "fast": False, "overwrite": False,
+                     "results_dir": "/checkpoints/autotuning/results", "exps_dir": "/checkpoints/autotuning/exps"}
+    plain = json.loads(one(render_chart(), "ConfigMap", "-config")["data"]["ds_config.json"])
+    assert "autotuning" not in plain and "--autotuning=tune" not in container(one(render_chart(), "Job"))["args"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({**AUTOTUNE, **NOSSH}, "launcher.autotuning needs launchMode ssh"),
+    ({**AUTOTUNE, "train": {"script": "/data/t.py", "argsConvention": "train"}},
+     "launcher.autotuning: DeepSpeed's autotuner finds the ds_config after --deepspeed_config or --deepspeed"),
+    ({**AUTOTUNE, "train": {"module": "mypkg.train", "argsConvention": "deepspeed"}},
+     "launcher.autotuning: DeepSpeed's autotuner drops --module from its experiments"),
+    ({"launcher": {"autotuning": "sweep"}}, "/launcher/autotuning"),
+])
+def test_autotuning_mistakes_stop_at_render(values, message):
+    with pytest.raises(HelmError) as err:
+        render_chart(values)
     assert message in err.value.stderr

@@ -314,6 +314,21 @@ collective). Inside the pod's /tmp emptyDir.
 */}}
 {{- define "deepspeed-training.rankStateDir" -}}/tmp/deepspeed-ranks{{- end }}
 
+{{/*
+The ds_config the pods get, as JSON: deepspeed.config (or files/ds_config.default.json) as given, and with
+launcher.autotuning its `autotuning` section switched on, writing to the checkpoint volume (the user's keys
+kept; `overwrite: false` so a retried tuning keeps the experiments already done).
+*/}}
+{{- define "deepspeed-training.dsConfig" -}}
+{{- $config := deepCopy (.Values.deepspeed.config | default (.Files.Get "files/ds_config.default.json" | fromJson)) }}
+{{- if .Values.launcher.autotuning }}
+{{- $dir := printf "%s/autotuning" (clean .Values.checkpoints.mountPath) }}
+{{- $defaults := dict "results_dir" (printf "%s/results" $dir) "exps_dir" (printf "%s/exps" $dir) "overwrite" false }}
+{{- $_ := set $config "autotuning" (merge (dict "enabled" true) (deepCopy ($config.autotuning | default dict)) $defaults) }}
+{{- end }}
+{{- toJson $config }}
+{{- end }}
+
 {{/* Paths the chart gives the program: placeholders in `train.args`, and env on every rank (commonEnv). */}}
 {{- define "deepspeed-training.programPaths" -}}
 {{- $configDir := include "deepspeed-training.configDir" . }}
@@ -355,6 +370,9 @@ this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion inde
 {{- /* --no_ssh_check: wait-for-workers.sh has checked SSH to every worker, not just the first.
        --force_multi: always over pdsh, also with one worker: never run ranks in the launcher pod. */}}
 {{- $command = concat $command (list "--launcher=pdsh" (printf "--ssh_port=%d" (int .Values.ssh.port)) "--no_ssh_check" "--force_multi") }}
+{{- with .Values.launcher.autotuning }}
+{{- $command = append $command (printf "--autotuning=%s" .) }}
+{{- end }}
 {{- else }}
 {{- /* --no_ssh needs --master_addr: without it DeepSpeed still runs `ssh <host0> hostname -I`. */}}
 {{- $command = append $command "--no_ssh" }}

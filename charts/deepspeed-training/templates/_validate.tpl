@@ -48,7 +48,18 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
 {{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
 {{- end }}
+{{- with .Values.launcher.autotuning }}
+{{- if not (has $.Values.train.argsConvention (list "deepspeed" "huggingface")) }}
+{{- fail (printf "launcher.autotuning: DeepSpeed's autotuner finds the ds_config after --deepspeed_config or --deepspeed and hands every experiment its own copy there; train.argsConvention %q passes it otherwise (use deepspeed or huggingface, with a program that reads it from there)" $.Values.train.argsConvention) }}
+{{- end }}
+{{- if not $.Values.train.script }}
+{{- fail "launcher.autotuning: DeepSpeed's autotuner drops --module from its experiments; set train.script to the program's file" }}
+{{- end }}
+{{- end }}
 {{- else }}
+{{- if .Values.launcher.autotuning }}
+{{- fail "launcher.autotuning needs launchMode ssh: DeepSpeed's autotuner starts every experiment over SSH (pdsh)" }}
+{{- end }}
 {{- if ge (int .Values.deepspeed.masterPort) 65535 }}
 {{- fail (printf "deepspeed.masterPort: %d leaves no port for the start barrier of launchMode nossh (the next port); use a port below 65535" (int .Values.deepspeed.masterPort)) }}
 {{- end }}
