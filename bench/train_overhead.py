@@ -6,6 +6,8 @@ train`, for each ZeRO stage on N CPU ranks. Prints tokens/s, c/b (our overhead; 
     python bench/train_overhead.py [--stages 0 1 2 3] [--steps 40] [--repeats 1] [--variants]
 
 --variants also runs ZeRO-2 ds_config variants (overlap, bucket sizes) against the same DDP baseline.
+--pipeline adds `python -m train` with 2 pipeline stages against data parallelism: same model, same ranks and
+global batch (ZeRO-1, the highest stage a pipeline can use).
 """
 
 import argparse
@@ -47,10 +49,10 @@ def run_loop(mode: str, ds_path: Path, steps: int, ranks: int) -> tuple[float, f
     return min(r["tokens_per_s"] for r in rows), max(r["peak_rss_mib"] for r in rows)
 
 
-def run_train(ds_path: Path, steps: int, ranks: int, tmp: Path) -> tuple[float, float]:
+def run_train(ds_path: Path, steps: int, ranks: int, tmp: Path, *extra: str) -> tuple[float, float]:
     ckpt = Path(tempfile.mkdtemp(dir=tmp))
     args = ["--module", "train", "--ds-config", str(ds_path), "--steps", str(steps), "--log-every", str(steps),
-            "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(steps + 1)]
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(steps + 1), *extra]
     for key, value in MODEL.items():
         args += [f"--model.{key.replace('_', '-')}", str(value)]
     # train saves the final step's checkpoint; metrics.json's tokens/s leaves saving time out, like the loops.
@@ -69,6 +71,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="median of this many runs per cell")
     parser.add_argument("--variants", action="store_true")
+    parser.add_argument("--pipeline", action="store_true")
     args = parser.parse_args()
     configs = {f"ZeRO-{s}": {"stage": s} for s in args.stages}
     if args.variants:
@@ -91,7 +94,34 @@ def main() -> int:
             a, b, c = (statistics.median(x[0] for x in cells[k]) for k in "abc")
             rss = "/".join(f"{max(x[1] for x in cells[k]):.0f}" for k in "abc")
             print(f"{name:<32} {a:>10,.0f} {b:>10,.0f} {c:>11,.0f} {c / b:>6.2f} {b / a:>6.2f}  {rss:>26}", flush=True)
+        if args.pipeline:
+            pipeline_rows(args, tmp)
     return 0
+
+
+def pipeline_rows(args, tmp: Path) -> None:
+    """2 pipeline stages against data parallelism on the same ranks, model and global batch (16 x ranks/2)."""
+    global_batch = 8 * args.ranks
+    layouts = {
+        f"data parallel, {args.ranks} ranks": ({"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": 8,
+                                                 "gradient_accumulation_steps": 1}, []),
+        f"2 pipeline stages x {args.ranks // 2} data-parallel": (
+            {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": 4,
+             "gradient_accumulation_steps": 4}, ["--model.pipeline-stages", "2"]),
+    }
+    print(f"\npipeline vs data parallel: {args.ranks} ranks, global batch {global_batch}, ZeRO-1, {args.steps} steps")
+    print(f"{'layout':<36} {'train tok/s':>11} {'vs data parallel':>17} {'peak RSS/rank MiB':>18}")
+    results = {}
+    for name, (batch, extra) in layouts.items():
+        ds_path = tmp / "ds_pipeline.json"
+        config = cpu_ds_config(micro=batch["train_micro_batch_size_per_gpu"],
+                               accum=batch["gradient_accumulation_steps"], zero_optimization={"stage": 1})
+        ds_path.write_text(json.dumps({**config, "train_batch_size": batch["train_batch_size"]}))
+        runs = [run_train(ds_path, args.steps, args.ranks, tmp, *extra) for _ in range(args.repeats)]
+        results[name] = (statistics.median(r[0] for r in runs), max(r[1] for r in runs))
+    base = next(iter(results.values()))[0]
+    for name, (tokens, rss) in results.items():
+        print(f"{name:<36} {tokens:>11,.0f} {tokens / base:>16.2f}x {rss:>18,.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,7 @@ PLATFORM_ONLY = {
     ("deploy", "relaxSecurityFor"): "the projects whose pods may relax the security defaults",
     ("chart", "allowSecurityRelaxations"): "relaxed security (per project: deploy.relaxSecurityFor)",
     ("chart", "serviceAccount"): "the pods' ServiceAccount (its token and cloud identity)",
+    ("chart", "checkpoints", "resumeAcrossWorldSizes"): "whether a job may resume on another world size",
 }
 
 
@@ -158,9 +159,12 @@ def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
         layer = load_yaml(path)
         name = str(path.relative_to(ROOT))
         if path.parent != VALUES:
-            for (section, key), what in PLATFORM_ONLY.items():
-                if isinstance(layer.get(section), dict) and key in layer[section]:
-                    raise DeployError(f"{name}: {section}.{key}: {what} is the platform's to set, in "
+            for key_path, what in PLATFORM_ONLY.items():
+                node = layer
+                for part in key_path[:-1]:
+                    node = node.get(part) if isinstance(node, dict) else None
+                if isinstance(node, dict) and key_path[-1] in node:
+                    raise DeployError(f"{name}: {'.'.join(key_path)}: {what} is the platform's to set, in "
                                       f"values/{env}.yaml or values/base.yaml, never in a project's files")
         merge(settings, layer, origin, name)
     return settings, origin, [str(p.relative_to(ROOT)) for p in files]
@@ -229,7 +233,7 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
     """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked."""
     ds = settings["deepspeed"]
     workers, gpus = effective["worker"]["replicas"], effective["worker"]["gpusPerWorker"]
-    world_size = workers * gpus
+    world_size = data_parallel_size(effective)  # the batch keys count the ranks that see different data
     micro = ds["microBatch"]
     if ds.get("globalBatch"):  # the accumulation, completed as DeepSpeed (and train/dsconfig.py) does
         try:
@@ -238,8 +242,8 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
         except dsconfig.DsConfigError:
             raise DeployError(
                 f"{source_of(origin, ('deepspeed', 'globalBatch'))}: deepspeed.globalBatch {ds['globalBatch']} must "
-                f"be a multiple of deepspeed.microBatch {micro} x world size {world_size} "
-                f"({workers} workers x {gpus} GPUs)") from None
+                f"be a multiple of deepspeed.microBatch {micro} x {world_size} data-parallel ranks "
+                f"({workers} workers x {gpus} GPUs / {pipeline_stages(effective)} pipeline stages)") from None
     else:
         accum = ds["gradientAccumulation"]
     variables = {"micro_batch": micro, "gradient_accumulation": accum, "global_batch": micro * accum * world_size,
@@ -260,9 +264,28 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
         f" + deepspeed.overrides from {', '.join(override_files)}" if overrides else "")
     try:
         batch = dsconfig.validate(ds_config, world_size, ds_source, fills_auto=effective["train"]["fillsDsConfigAuto"])
+        dsconfig.check_pipeline(ds_config, pipeline_stages(effective), ds_source)
     except dsconfig.DsConfigError as err:
         raise DeployError(str(err)) from None
     return ds_config, batch
+
+
+def pipeline_stages(effective: dict) -> int:
+    """The train package's model.pipeline_stages (1 for other programs)."""
+    if effective["train"]["argsConvention"] != "train":
+        return 1
+    model = effective["train"]["config"].get("model") or {}
+    return model.get("pipeline_stages", 1) if isinstance(model, dict) else 1
+
+
+def data_parallel_size(effective: dict) -> int:
+    """World size over pipeline stages, as train/main.py check_inputs and the chart count it."""
+    world = effective["worker"]["replicas"] * effective["worker"]["gpusPerWorker"]
+    stages = pipeline_stages(effective)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1 or world % stages:
+        raise DeployError(f"train.config.model.pipeline_stages {stages!r} must be an integer >= 1 that divides the "
+                          f"world size {world} (worker.replicas x worker.gpusPerWorker)")
+    return world // stages
 
 
 def quiet_deepspeed() -> None:
@@ -329,6 +352,21 @@ def write(r: Rendered) -> None:
 
 
 # ---------------------------------------------------------------- plan
+
+def pipeline_plan(r: Rendered) -> list[str]:
+    """The plan's lines for the pipeline layout: stages x data-parallel ranks, and each stage's layers."""
+    stages = pipeline_stages(r.effective)
+    if stages == 1:
+        return []
+    from train.pipeline import stage_plan
+
+    model = ModelConfig(**r.effective["train"]["config"].get("model", {}))
+    lines = [f"  layout      {stages} pipeline stages x {data_parallel_size(r.effective)} data-parallel ranks "
+             f"(stage s, data-parallel rank d is rank s x {data_parallel_size(r.effective)} + d)"]
+    lines += [f"  stage {i:<5} {layers}: {count / 1e6:,.1f}M parameters" for i, (layers, count) in
+              enumerate(stage_plan(model))]
+    return lines
+
 
 def memory_estimate(r: Rendered) -> tuple[int, int, int, str]:
     """(parameters, GPU bytes, CPU bytes, how) from DeepSpeed's ZeRO estimators for the configured model."""
@@ -413,7 +451,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"{context or '(current)'}",
         f"  workers     {worker['replicas']} x {worker['gpusPerWorker']} {gpu_name or 'CPU ranks'} = world size "
         f"{r.world_size}",
-        f"  batch       micro {batch[0]} x accumulation {batch[1]} x world {r.world_size} = global {batch[2]}",
+        f"  batch       micro {batch[0]} x accumulation {batch[1]} x {data_parallel_size(r.effective)} "
+        f"data-parallel ranks = global {batch[2]}",
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
         f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['launcher']['runRetries']} run "
@@ -426,6 +465,7 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
     elif r.runs_train_package:
         params, gpu_bytes, cpu_bytes, how = memory_estimate(r)
         lines += [f"  model       {params / 1e6:,.1f}M parameters",
+                  *pipeline_plan(r),
                   f"  memory      model states ~{human(gpu_bytes)} per GPU, ~{human(cpu_bytes)} host per node "
                   f"({how}; activations come on top)"]
         limit = r.settings["deepspeed"]["gpuMemoryGiB"]

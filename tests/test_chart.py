@@ -38,11 +38,12 @@ def config_data(docs) -> dict:
 def test_ci_values_render_the_job(helm, values_file):
     docs = render_chart(values_files=[values_file], helm=helm)
     kinds = {d["kind"] for d in docs}
-    assert {"Service", "StatefulSet", "Job", "ConfigMap"} <= kinds
     values = yaml.safe_load(values_file.read_text())
-    assert ("Secret" in kinds) == ("existingSecret" not in values.get("ssh", {}))
+    ssh = values.get("launchMode", "ssh") == "ssh"  # nossh: the workers are the Job; no sshd, Secret or Role
+    assert {"Service", "Job", "ConfigMap"} <= kinds and ("StatefulSet" in kinds) == ssh
+    assert ("Secret" in kinds) == (ssh and "existingSecret" not in values.get("ssh", {}))
     assert ("NetworkPolicy" in kinds) == values.get("networkPolicy", {}).get("enabled", True)
-    assert ("Role" in kinds) == values.get("launcher", {}).get("scaleDownWorkers", True)
+    assert ("Role" in kinds) == (ssh and values.get("launcher", {}).get("scaleDownWorkers", True))
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=[f.name for f in CI_VALUES])

@@ -183,5 +183,5 @@ def test_a_rank_refuses_a_world_smaller_than_the_chart_asked_for(tmp_path):
     result = run_single([*TINY, *ds(tmp_path, OK), "--steps", "3"], DS_WORLD_SIZE="2")
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
-    assert "world size 1, but the chart runs 2 ranks (DS_WORLD_SIZE" in output
+    assert "world size 1 (WORLD_SIZE from DeepSpeed's launcher), but the chart runs 2 ranks (DS_WORLD_SIZE" in output
     assert "step 1/" not in output

@@ -7,17 +7,27 @@ each atomically (temporary file, fsync, rename). Resume picks the newest committ
 all there; a dir that holds checkpoints of which none is complete is an error, never a fresh start.
 """
 
+import argparse
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import deepspeed.comm as dist
+from deepspeed.checkpoint.constants import (
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
 
 COMMIT_FILE = "commit.json"
 TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
+UNIVERSAL_DIR = "universal"  # <ckpt>/universal/<tag>: a tag converted for another layout, committed like a tag
+# What DeepSpeed's converter (ds_to_universal) needs in the client state of a plain data-parallel model.
+UNIVERSAL_INFO = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
 class CheckpointError(RuntimeError):
@@ -93,10 +103,16 @@ def find_resume_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
     return None, []
 
 
-def agree_on_resume_tag(ckpt_dir: Path, rank: int, world_size: int, zero_stage: int, logger) -> str | None:
+LAYOUT_DEFAULTS = {"pipeline_stages": 1}  # what checkpoints from before a layout key existed were written with
+
+
+def read_manifest(tag_dir: Path) -> dict:
+    return json.loads((tag_dir / COMMIT_FILE).read_text())
+
+
+def agree_on_resume_tag(ckpt_dir: Path, rank: int, world_size: int, logger) -> str | None:
     """The tag every rank resumes from. Rank 0 picks it; every rank then checks it sees that checkpoint
-    complete (shared storage) and that it was written with this world size and ZeRO stage. Errors reach every
-    rank, so none waits for a peer that gave up."""
+    complete (shared storage). Errors reach every rank, so none waits for a peer that gave up."""
     decision = [None]
     if rank == 0:
         try:
@@ -119,32 +135,101 @@ def agree_on_resume_tag(ckpt_dir: Path, rank: int, world_size: int, zero_stage: 
         raise CheckpointError(
             f"checkpoint {ckpt_dir / tag} is complete on rank 0 but not on rank(s) {missing}: the checkpoint dir "
             "must be one volume shared by all workers (checkpoints.existingClaim, a ReadWriteMany PVC)")
-    manifest = json.loads((ckpt_dir / tag / COMMIT_FILE).read_text())
-    saved = (manifest.get("world_size", world_size), manifest.get("zero_stage", zero_stage))
-    if saved != (world_size, zero_stage):
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir / tag} was written by {saved[0]} ranks with ZeRO stage {saved[1]}; this run has "
-            f"{world_size} ranks and stage {zero_stage}. Resume with the same world size and stage, convert it "
-            "(DeepSpeed's universal checkpoint or zero_to_fp32.py), or start in an empty checkpoint dir.")
     return tag
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, world_size: int) -> str:
-    """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits on rank 0."""
+def saved_layout(manifest: dict, layout: dict) -> dict:
+    return {key: manifest.get(key, LAYOUT_DEFAULTS.get(key, value)) for key, value in layout.items()}
+
+
+def describe_layout(layout: dict) -> str:
+    text = f"{layout['world_size']} ranks, ZeRO stage {layout['zero_stage']}"
+    return text + (f", {layout['pipeline_stages']} pipeline stages" if layout["pipeline_stages"] > 1 else "")
+
+
+def cross_layout_load(tag_dir: Path, saved: dict, layout: dict, allowed: bool, weights_only: bool) -> str:
+    """How a checkpoint of another layout can be loaded: "weights" (model weights only, any data-parallel size)
+    or "universal" (DeepSpeed's universal checkpoint: weights, optimizer and scheduler state at any
+    data-parallel size). Raises CheckpointError, saying why, for what cannot be loaded."""
+    what = f"checkpoint {tag_dir} was written with {describe_layout(saved)}; this run has {describe_layout(layout)}"
+    if not allowed:
+        raise CheckpointError(f"{what}, and resuming on another layout is switched off (chart value "
+                              "checkpoints.resumeAcrossWorldSizes): resume with the same layout or start in an "
+                              "empty checkpoint dir")
+    if saved["pipeline_stages"] != layout["pipeline_stages"]:
+        raise CheckpointError(f"{what}: a pipeline checkpoint resumes only with the same model.pipeline_stages")
+    if (saved["zero_stage"] == 3) != (layout["zero_stage"] == 3):
+        raise CheckpointError(f"{what}: DeepSpeed converts checkpoints between ZeRO stages 1 and 2, or from stage "
+                              "3 to stage 3, not across: resume with the saved stage")
+    if weights_only:
+        return "weights"
+    if layout["pipeline_stages"] > 1 or 0 in (saved["zero_stage"], layout["zero_stage"]):
+        raise CheckpointError(f"{what}: DeepSpeed's universal checkpoint needs ZeRO stage 1, 2 or 3 without "
+                              "pipeline stages; set reset_optimizer: true to resume the weights only (fresh "
+                              "optimizer state), or resume with the saved layout")
+    return "universal"
+
+
+def universal_copy(ckpt_dir: Path, tag: str, rank: int, logger) -> Path:
+    """<ckpt>/universal/<tag>, DeepSpeed's universal form of `tag`, converted once: rank 0 converts into a
+    temporary dir, renames it into place and commits it like a checkpoint (the original is only read); the
+    other ranks wait, and every rank gets the outcome. A complete copy is reused."""
+    target = ckpt_dir / UNIVERSAL_DIR / tag
+    outcome = [None]
+    if rank == 0:
+        try:
+            if is_complete(target):
+                outcome[0] = ("ok", f"reusing the universal copy {target}")
+            else:
+                started = time.perf_counter()
+                _convert(ckpt_dir / tag, target)
+                outcome[0] = ("ok", f"converted {ckpt_dir / tag} to the universal checkpoint {target} in "
+                                    f"{time.perf_counter() - started:.1f}s")
+        except Exception as err:  # noqa: BLE001 - every failure must reach the other ranks, not only this one
+            outcome[0] = ("error", f"checkpoint {ckpt_dir / tag}: DeepSpeed's universal conversion failed: {err}")
+    dist.broadcast_object_list(outcome, src=0)
+    verdict, message = outcome[0]
+    if verdict == "error":
+        raise CheckpointError(message)
+    logger.info(message)
+    return target
+
+
+def _convert(source: Path, target: Path) -> None:
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a conversion that died half-way
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    ds_to_universal(argparse.Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1,
+                                       num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                       inject_missing_state=False))
+    (tmp.parent / "latest_universal").unlink(missing_ok=True)  # the converter's own marker: ours is the commit
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    write_atomic(target / COMMIT_FILE, json.dumps({"source": source.name, "files": _files(target)}, indent=1))
+
+
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layout: dict, ds_config: dict) -> str:
+    """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits on rank 0. The manifest records
+    the layout and the ds_config (a resume compares them with its own)."""
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
     if dist.get_rank() == 0 and tag_dir.exists():  # left by an attempt that died mid-save
         shutil.rmtree(tag_dir)
     dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, **UNIVERSAL_INFO}, save_latest=False)
     for path in tag_dir.rglob("*"):  # shared storage: each rank makes sure what it wrote is durable
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
     dist.barrier()
     if dist.get_rank() == 0:
-        manifest = {"step": step, "world_size": world_size, "zero_stage": engine.zero_optimization_stage(),
-                    "files": _files(tag_dir)}
+        manifest = {"step": step, **layout, "ds_config": ds_config, "files": _files(tag_dir)}
         write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
         write_atomic(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep)
@@ -153,10 +238,15 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, world
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:
-    """Keeps the `keep` newest complete checkpoints and deletes every other tag."""
+    """Keeps the `keep` newest complete checkpoints and deletes every other tag, and universal copies of tags
+    that are gone."""
     kept = 0
     for tag_dir in tags_newest_first(ckpt_dir):
         if kept < keep and is_complete(tag_dir):
             kept += 1
         else:
             shutil.rmtree(tag_dir, ignore_errors=True)
+    universal = ckpt_dir / UNIVERSAL_DIR
+    for copy in universal.iterdir() if universal.is_dir() else []:
+        if copy.is_dir() and not (ckpt_dir / copy.name.lstrip(".").removesuffix(".tmp")).is_dir():
+            shutil.rmtree(copy, ignore_errors=True)

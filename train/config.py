@@ -32,6 +32,8 @@ class ModelConfig:
     dropout: float = doc("Dropout probability.", 0.0)
     hf_config: str = doc("Directory with a Hugging Face config.json: train that causal LM (built from the config, "
                          "nothing downloaded; needs `transformers`) instead of the built-in GPT.", "")
+    pipeline_stages: int = doc("Pipeline stages the built-in GPT is split into (DeepSpeed PipelineModule); the world "
+                               "size must be a multiple: stages x data-parallel ranks. ZeRO stage 0 or 1.", 1)
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
@@ -39,6 +41,9 @@ class ModelConfig:
         _require(self.d_model % self.n_head == 0, "model.d_model", f"a multiple of model.n_head ({self.n_head})",
                  self.d_model)
         _require(0.0 <= self.dropout < 1.0, "model.dropout", "a probability in [0, 1)", self.dropout)
+        _require(self.pipeline_stages >= 1, "model.pipeline_stages", "an integer >= 1", self.pipeline_stages)
+        _require(self.pipeline_stages == 1 or not self.hf_config, "model.pipeline_stages",
+                 "1 with model.hf_config (pipeline stages are built for the built-in GPT only)", self.pipeline_stages)
 
 
 @dataclass
@@ -61,6 +66,9 @@ class TrainConfig:
     keep_checkpoints: int = doc("Complete checkpoints to keep; older ones are deleted.", 3)
     dist_timeout_s: int = doc("Seconds a collective may wait for a peer before the rank fails.", 600)
     seed: int = doc("Seed of the model initialisation.", 0)
+    reset_optimizer: bool = doc("On resume, load the model weights, step and data position only: optimizer and "
+                                "lr-scheduler state start afresh from the ds_config (to change the optimizer type, the "
+                                "precision or optimizer params, which a checkpoint's state would override).", False)
     peak_tflops: float = doc("Peak TFLOP/s of one accelerator in the run's precision, for the MFU in the progress "
                              "line and metrics.json; 0: from train/mfu.py's table of known GPUs (none on CPU).", 0.0)
     model: ModelConfig = field(default_factory=ModelConfig)

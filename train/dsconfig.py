@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import json
 import math
+import re
 from pathlib import Path
 
 from train import yamlfile
@@ -179,6 +180,65 @@ def validate(config: dict, world_size: int, source: str, *, fills_auto: bool = F
     _check_optimizer(config, source)
     _check_scheduler(config, source)
     return sizes
+
+
+def check_pipeline(config: dict, stages: int, source: str) -> None:
+    """What pipeline parallelism (model.pipeline_stages > 1) cannot run: ZeRO 2 and 3 (DeepSpeed asserts in
+    PipelineEngine after the optimizer is built), and ZeRO 0 with gradient clipping, which DeepSpeed computes
+    from stage 0's gradients only (runtime/utils.clip_grad_norm_ takes the stage for a tensor-parallel rank)."""
+    if stages == 1:
+        return
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in (0, 1):
+        raise DsConfigError(f"ds_config {source}: zero_optimization.stage {stage}: pipeline parallelism "
+                            f"(model.pipeline_stages {stages}) supports ZeRO stage 0 and 1 only")
+    if stage == 0 and config.get("gradient_clipping"):
+        raise DsConfigError(f"ds_config {source}: gradient_clipping with ZeRO stage 0 and model.pipeline_stages "
+                            f"{stages}: DeepSpeed clips by the gradient norm of the first stage only; use "
+                            "zero_optimization.stage 1 (it computes the norm over every stage)")
+
+
+def precision(config: dict) -> str:
+    for name in ("bf16", "bfloat16", "fp16"):
+        if isinstance(config.get(name), dict) and config[name].get("enabled") is True:
+            return "fp16" if name == "fp16" else "bf16"
+    return "fp32"
+
+
+def _leaves(config, path: str = "") -> dict:
+    if isinstance(config, dict) and config:
+        return {k: v for key, value in config.items() for k, v in _leaves(value, f"{path}{key}.").items()}
+    return {path.rstrip("."): config}
+
+
+def resume_changes(saved: dict | None, current: dict, reset_optimizer: bool, source: str
+                   ) -> tuple[list[str], list[str]]:
+    """What changed in the ds_config since the checkpoint was written: (takes effect, kept from the checkpoint),
+    as "key: old -> new". DeepSpeed restores the optimizer's state, hyperparameters included, so optimizer.params
+    changes do not take effect unless the optimizer is reset; a change of optimizer type or precision cannot
+    take effect from a checkpoint at all and is refused (DsConfigError naming the key) unless it is."""
+    if saved is None:  # a checkpoint from before the manifest recorded its ds_config
+        return [], []
+    refused = {"optimizer.type": (str((saved.get("optimizer") or {}).get("type", "")).lower(),
+                                  str((current.get("optimizer") or {}).get("type", "")).lower()),
+               "precision (fp16/bf16.enabled)": (precision(saved), precision(current))}
+    for key, (old, new) in refused.items():
+        if old != new and not reset_optimizer:
+            raise DsConfigError(
+                f"ds_config {source}: {key} changed since the checkpoint ({old or 'none'} -> {new or 'none'}): the "
+                "checkpoint's optimizer state belongs to the old setting, so this cannot take effect on resume. "
+                "Set the train config's reset_optimizer: true to resume the weights with a fresh optimizer, or "
+                "change it back")
+    old, new = _leaves(saved), _leaves(current)
+    skip = re.compile(r"^(optimizer\.type|(fp16|bf16|bfloat16)\.enabled)$")
+    effect, kept = [], []
+    for key in sorted(old.keys() | new.keys()):
+        if skip.match(key) or old.get(key, "(unset)") == new.get(key, "(unset)"):
+            continue
+        change = f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
+        (kept if key.startswith("optimizer.params.") and not reset_optimizer else effect).append(change)
+    return effect, kept
 
 
 def check_precision(config: dict, accelerator, source: str) -> None:

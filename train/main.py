@@ -19,8 +19,9 @@ from deepspeed.accelerator import get_accelerator
 
 from train import checkpoint, dsconfig, mfu, rankstate
 from train.config import ConfigError, TrainConfig, parse_args
-from train.data import DataError, make_data
-from train.model import build_model, count_parameters
+from train.data import DataError, make_data, samples
+from train.model import GPT, build_model, count_parameters
+from train.pipeline import PipelineGPT, stage_plan
 
 logger = logging.getLogger("train")
 EXIT_SIGTERM = 143  # non-zero, so a Job retries and the next attempt resumes from the saved checkpoint
@@ -64,15 +65,25 @@ class Inputs:
     ds_config: dict
     batch: tuple[int, int, int]
     data: object
+    data_parallel: int  # ranks that see different data: world size / pipeline stages
+    data_rank: int
 
 
 def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
+    stages = cfg.model.pipeline_stages
+    if world_size % stages:
+        raise ConfigError(f"model.pipeline_stages {stages} must divide the world size {world_size} "
+                          "(stages x data-parallel ranks)")
+    data_parallel = world_size // stages
     ds_config = dsconfig.load(cfg.ds_config)
-    batch = dsconfig.validate(ds_config, world_size, cfg.ds_config)
+    batch = dsconfig.validate(ds_config, data_parallel, cfg.ds_config)
+    dsconfig.check_pipeline(ds_config, stages, cfg.ds_config)
     dsconfig.check_precision(ds_config, get_accelerator(), cfg.ds_config)
     if cfg.checkpoint_dir:
         checkpoint.check_writable(Path(cfg.checkpoint_dir))
-    return Inputs(ds_config, batch, make_data(cfg.data, cfg.model, rank, world_size, batch[0]))
+    # Stage s, data-parallel rank d is global rank s * data_parallel + d: both ends of a pipeline read alike.
+    data = make_data(cfg.data, cfg.model, rank % data_parallel, data_parallel, batch[0])
+    return Inputs(ds_config, batch, data, data_parallel, rank % data_parallel)
 
 
 def check_world_size(world_size: int) -> None:
@@ -85,27 +96,68 @@ def check_world_size(world_size: int) -> None:
                           "GPUs or its hostfile entry is wrong")
 
 
-def resume(engine, ckpt_dir: Path | None, rank: int, world_size: int) -> tuple[int, int]:
-    """(step, data position) of the newest complete checkpoint every rank agrees on; (0, 0) for a fresh start."""
+def layout_of(engine, world_size: int, cfg: TrainConfig) -> dict:
+    """How a checkpoint of this run is laid out: what a resume must match (train/checkpoint.py)."""
+    return {"world_size": world_size, "zero_stage": engine.zero_optimization_stage(),
+            "pipeline_stages": cfg.model.pipeline_stages}
+
+
+def resume(engine, cfg: TrainConfig, inputs: Inputs, rank: int, layout: dict) -> tuple[int, int]:
+    """(step, data position) of the newest complete checkpoint every rank agrees on; (0, 0) for a fresh start.
+    A checkpoint of another layout (world size, ZeRO stage) is loaded through DeepSpeed's universal form, or its
+    weights only with reset_optimizer; what changed in the ds_config since is logged, or refused."""
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if not ckpt_dir:
         return 0, 0
-    tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, world_size, engine.zero_optimization_stage(), logger)
+    tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, layout["world_size"], logger)
     if not tag:
         return 0, 0
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    manifest = checkpoint.read_manifest(ckpt_dir / tag)
+    effect, kept = dsconfig.resume_changes(manifest.get("ds_config"), inputs.ds_config, cfg.reset_optimizer,
+                                           cfg.ds_config)
+    saved = checkpoint.saved_layout(manifest, layout)
+    how = "same layout"
+    if saved != layout:
+        allowed = os.environ.get("DS_RESUME_ACROSS_WORLD_SIZES", "true") == "true"  # the chart's value
+        how = checkpoint.cross_layout_load(ckpt_dir / tag, saved, layout, allowed, cfg.reset_optimizer)
+    fresh = dict(load_optimizer_states=False, load_lr_scheduler_states=False) if cfg.reset_optimizer else {}
+    if how == "universal":
+        source = checkpoint.universal_copy(ckpt_dir, tag, rank, logger)
+        engine._config.load_universal_checkpoint = True  # for this load only: a later plain tag must not use it
+        try:
+            path, client_state = engine.load_checkpoint(str(source.parent), tag=tag)
+        finally:
+            engine._config.load_universal_checkpoint = False
+    else:
+        path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, **fresh)
     if path is None:
         raise checkpoint.CheckpointError(f"checkpoint {ckpt_dir / tag}: DeepSpeed could not load it")
-    logger.info(f"resumed from {ckpt_dir / tag} at step {client_state['step']}")
+    across = "" if how == "same layout" else f" (written with {checkpoint.describe_layout(saved)}; {how})"
+    reset = ", optimizer and scheduler reset (reset_optimizer)" if cfg.reset_optimizer else ""
+    logger.info(f"resumed from {ckpt_dir / tag} at step {client_state['step']}{across}{reset}")
+    if effect:
+        logger.info(f"ds_config changes since the checkpoint that take effect: {'; '.join(effect)}")
+    if kept:
+        logger.warning(f"ds_config changes since the checkpoint that do NOT take effect (the checkpoint's optimizer "
+                       f"state wins; set reset_optimizer: true to apply them): {'; '.join(kept)}")
     return client_state["step"], client_state["data_position"]
 
 
-def train_step(engine, data, position: int, micro: int, accum: int) -> tuple[torch.Tensor, int]:
-    """One optimizer step (accum micro-batches); returns this rank's mean loss and the new data position."""
+def train_step(engine, inputs: Inputs, position: int) -> tuple[torch.Tensor, int]:
+    """One optimizer step (accum micro-batches); returns this rank's mean loss and the new data position (in
+    samples of the whole job). A pipeline runs the micro-batches itself (train_batch) and returns the mean loss
+    over every rank."""
+    micro, accum, _ = inputs.batch
+    per_micro = micro * inputs.data_parallel
+    firsts = [samples(position + i * per_micro, micro, inputs.data_rank) for i in range(accum)]
+    position += per_micro * accum
+    if isinstance(engine.module, PipelineGPT):
+        batches = (inputs.data.batch(first, micro) for first in firsts)
+        return engine.train_batch(data_iter=batches).detach().float(), position
     step_loss = torch.zeros((), device=engine.device)
-    for _ in range(accum):
-        inputs, targets = (t.to(engine.device) for t in data.batch(position, micro))
-        position += micro
-        loss = engine(inputs, targets)
+    for first in firsts:
+        batch_inputs, targets = (t.to(engine.device) for t in inputs.data.batch(first, micro))
+        loss = engine(batch_inputs, targets)
         engine.backward(loss)
         engine.step()
         step_loss += loss.detach().float() / accum
@@ -131,6 +183,9 @@ class Utilisation:
 
 def utilisation(cfg: TrainConfig, model, half_precision: bool) -> Utilisation:
     n_layer, d_model = model.shape()
+    if isinstance(model, PipelineGPT):  # a stage holds part of the model: count the whole one, shapes only
+        with torch.device("meta"):
+            model = GPT(cfg.model)
     flops = mfu.model_flops_per_token(model, n_layer, d_model, cfg.model.seq_len)
     device = mfu.device_name()
     peak = cfg.peak_tflops or mfu.peak_tflops(device, half_precision)
@@ -165,17 +220,29 @@ def write_metrics(ckpt_dir: Path, losses: list[tuple[int, float]], tokens_per_st
 def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: StopFlag) -> int:
     micro, accum, global_batch = inputs.batch
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=inputs.ds_config)
+    stages = cfg.model.pipeline_stages
+    if stages > 1:
+        model = PipelineGPT(cfg.model, cfg.seed)
+        parameters = sum(n for _, n in stage_plan(cfg.model)) - cfg.model.vocab_size * cfg.model.d_model  # tied once
+    else:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model)
+        parameters = count_parameters(model)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+                                           config=inputs.ds_config)
     dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    layout = f"{stages} pipeline stages x {inputs.data_parallel} data-parallel" if stages > 1 else f"{world_size}"
     logger.info(
         f"world size {world_size} | ZeRO stage {engine.zero_optimization_stage()} | {dtype} | batch {micro} micro x "
-        f"{accum} accumulation x {world_size} ranks = {global_batch} | {count_parameters(model) / 1e6:.2f}M "
-        f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}")
+        f"{accum} accumulation x {inputs.data_parallel} ranks = {global_batch} | {parameters / 1e6:.2f}M "
+        f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}"
+        + (f" | layout {layout}" if stages > 1 else ""))
+    for stage, (layers, count) in enumerate(stage_plan(cfg.model) if stages > 1 else []):
+        logger.info(f"pipeline stage {stage}: {layers} | {count / 1e6:.2f}M parameters")
 
     use = utilisation(cfg, model, dtype != "fp32")
-    start_step, position = resume(engine, ckpt_dir, rank, world_size)
+    layout = layout_of(engine, world_size, cfg)
+    start_step, position = resume(engine, cfg, inputs, rank, layout)
     if start_step >= cfg.steps:
         logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
     losses: list[tuple[int, float]] = []
@@ -185,7 +252,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     checkpoint_s = 0.0  # time spent saving, kept out of the throughput figures
     status = 0
     for step in range(start_step + 1, cfg.steps + 1):
-        step_loss, position = train_step(engine, inputs.data, position, micro, accum)
+        step_loss, position = train_step(engine, inputs, position)
         mean_loss, stopping = agree(step_loss, stop, world_size)
         losses.append((step, mean_loss))
         if step == start_step + 1 and not stopping:
@@ -208,7 +275,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         if ckpt_dir and (stopping or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
             save_started = time.perf_counter()
             tag = checkpoint.save(engine, ckpt_dir, step, {"step": step, "data_position": position},
-                                  cfg.keep_checkpoints, world_size)
+                                  cfg.keep_checkpoints, layout, inputs.ds_config)
             saved_in = time.perf_counter() - save_started
             checkpoint_s += saved_in
             interval_start += saved_in

@@ -5,6 +5,7 @@ import hashlib
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.e2e.chart_pods import REASON, SECRET_VALUE, e2e_values, render
 from tests.e2e.harness import Cluster, step_losses, wait, wait_for
+from tests.train_run import cpu_ds_config
 from train import checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -126,3 +128,31 @@ def test_nossh_a_worker_with_another_rank_count_fails_loudly_and_is_not_retried(
         assert "world size 3 (WORLD_SIZE from DeepSpeed's launcher), but the chart runs 2 ranks" in log1
         assert "status 2 is a configuration error" in log1 and "retry" not in log1
         cluster.kill(worker0)  # the Job's podFailurePolicy (FailJob on exit status 2) ends the others
+
+
+def test_a_job_redeployed_on_fewer_workers_resumes_through_a_universal_checkpoint(shared_dir, tmp_path):
+    """2 workers train to step 20; the job is redeployed with 1 worker (a shrunk node pool) and continues."""
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    claim.chmod(0o777)
+
+    def deploy(workers: int, steps: int) -> str:
+        values = nossh_values(shared_dir, retries=0, steps=steps, log_every=10, checkpoint_every=10)
+        values["worker"]["replicas"] = workers
+        values["deepspeed"]["config"] = cpu_ds_config(stage=2, micro=4, accum=None, train_batch_size=8)
+        with Cluster(render(values)) as cluster:
+            subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.claim_dir("checkpoints"))], check=True)
+            codes = cluster.run_workers(timeout=300)
+            subprocess.run(["cp", "-a", f"{cluster.claim_dir('checkpoints')}/.", str(claim)], check=True)
+            log = cluster.pods_of("worker")[0].log()
+            assert codes == [0] * workers, log[-4000:]
+            return log
+
+    deploy(2, 20)
+    log = deploy(1, 40)
+    assert ("resumed from /checkpoints/step_00000020 at step 20 (written with 2 ranks, ZeRO stage 2; universal)"
+            in log), log[-3000:]
+    assert ("converted /checkpoints/step_00000020 to the universal checkpoint "
+            "/checkpoints/universal/step_00000020") in log
+    assert max(step_losses(log)) == 40
+    assert checkpoint.read_manifest(claim / "step_00000040")["world_size"] == 1

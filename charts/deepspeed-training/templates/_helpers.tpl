@@ -76,6 +76,22 @@ immutable), so the revision is part of the name.
 {{- printf "%s-%d.%s" (include "deepspeed-training.workerPodPrefix" .root) (int .index) (include "deepspeed-training.workerDomain" .root) }}
 {{- end }}
 
+{{/*
+Ranks that see different data: the world size over the train package's pipeline stages
+(train.config.model.pipeline_stages, the same rule as train/main.py check_inputs); the batch keys count these.
+*/}}
+{{- define "deepspeed-training.pipelineStages" -}}
+{{- $model := dict }}
+{{- if and (eq .Values.train.argsConvention "train") (kindIs "map" .Values.train.config.model) }}
+{{- $model = .Values.train.config.model }}
+{{- end }}
+{{- $stages := $model.pipeline_stages | default 1 }}
+{{- if not (or (kindIs "int" $stages) (kindIs "int64" $stages) (and (kindIs "float64" $stages) (eq (float64 (int $stages)) $stages))) }}
+{{- fail (printf "train.config.model.pipeline_stages: expected an integer >= 1, got %v" $stages) }}
+{{- end }}
+{{- $stages | int }}
+{{- end }}
+
 {{/* nossh: worker 0 serves the workers' start barrier (files/gang-barrier.py) on the port after the rendezvous. */}}
 {{- define "deepspeed-training.barrierPort" -}}
 {{- add .Values.deepspeed.masterPort 1 }}
@@ -287,6 +303,8 @@ and the pod need to stop. */}}
 {{- end }}
 - name: DS_RANK_STATE_DIR
   value: {{ include "deepspeed-training.rankStateDir" . | quote }}
+- name: DS_RESUME_ACROSS_WORLD_SIZES
+  value: {{ .Values.checkpoints.resumeAcrossWorldSizes | toJson | quote }}
 - name: DS_KILL_GRACE_SECONDS
   value: {{ include "deepspeed-training.killGraceSeconds" . | quote }}
 - name: DS_WORLD_SIZE

@@ -44,6 +44,11 @@ never at the API server or on a rank after the GPUs are allocated.
 
 {{/* What each launch mode needs of the other values. */}}
 {{- define "deepspeed-training.validateLaunchMode" -}}
+{{- $ranks := mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
+{{- $stages := include "deepspeed-training.pipelineStages" . | int }}
+{{- if or (lt $stages 1) (ne (mod $ranks $stages) 0) }}
+{{- fail (printf "train.config.model.pipeline_stages %d must divide the world size %d (worker.replicas %d x worker.gpusPerWorker %d): stages x data-parallel ranks" $stages $ranks (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker)) }}
+{{- end }}
 {{- if eq .Values.launchMode "ssh" }}
 {{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
 {{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
@@ -90,7 +95,7 @@ Env names the chart or DeepSpeed's launcher sets (a user value would override th
 overridden by them), and those that make the ranks' shells run code or parse commands differently.
 */}}
 {{- define "deepspeed-training.reservedEnvNames" -}}
-{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
+{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_RESUME_ACROSS_WORLD_SIZES" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
 {{- end }}
 
 {{- define "deepspeed-training.validateEnv" -}}
@@ -227,7 +232,9 @@ rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agr
 {{- fail (printf "deepspeed.config: unknown top-level key %q; DeepSpeed would silently ignore it. Known keys: %s" $key (join ", " $known)) }}
 {{- end }}
 {{- end }}
-{{- $world := mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
+{{- $ranks := mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
+{{- $stages := include "deepspeed-training.pipelineStages" . | int }}
+{{- $world := div $ranks $stages }}
 {{- $numbers := dict }}
 {{- range $name, $key := dict "micro" "train_micro_batch_size_per_gpu" "accum" "gradient_accumulation_steps" "total" "train_batch_size" }}
 {{- if and (hasKey $config $key) (ne (toString (get $config $key)) "auto") }}{{ $_ := set $numbers $name (int64 (get $config $key)) }}{{ end }}
@@ -236,6 +243,9 @@ rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agr
 {{- fail "deepspeed.config: set train_micro_batch_size_per_gpu or train_batch_size" }}
 {{- end }}
 {{- $worldText := printf "world size %d (worker.replicas %d x worker.gpusPerWorker %d)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
+{{- if gt $stages 1 }}
+{{- $worldText = printf "%d data-parallel ranks (worker.replicas %d x worker.gpusPerWorker %d / %d pipeline stages)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) $stages }}
+{{- end }}
 {{- if and (hasKey $numbers "total") (hasKey $numbers "micro") (hasKey $numbers "accum") }}
 {{- if ne (int64 $numbers.total) (mul $numbers.micro $numbers.accum $world) }}
 {{- fail (printf "deepspeed.config.train_batch_size %d != train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x %s" $numbers.total $numbers.micro $numbers.accum $worldText) }}
