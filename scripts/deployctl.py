@@ -232,7 +232,6 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
                      ) -> tuple[dict, tuple]:
     """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked."""
     ds = settings["deepspeed"]
-    workers, gpus = effective["worker"]["replicas"], effective["worker"]["gpusPerWorker"]
     world_size = data_parallel_size(effective)  # the batch keys count the ranks that see different data
     micro = ds["microBatch"]
     if ds.get("globalBatch"):  # the accumulation, completed as DeepSpeed (and train/dsconfig.py) does
@@ -242,8 +241,7 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
         except dsconfig.DsConfigError:
             raise DeployError(
                 f"{source_of(origin, ('deepspeed', 'globalBatch'))}: deepspeed.globalBatch {ds['globalBatch']} must "
-                f"be a multiple of deepspeed.microBatch {micro} x {world_size} data-parallel ranks "
-                f"({workers} workers x {gpus} GPUs / {pipeline_stages(effective)} pipeline stages)") from None
+                f"be a multiple of deepspeed.microBatch {micro} x {ranks_text(effective)}") from None
     else:
         accum = ds["gradientAccumulation"]
     variables = {"micro_batch": micro, "gradient_accumulation": accum, "global_batch": micro * accum * world_size,
@@ -276,6 +274,14 @@ def pipeline_stages(effective: dict) -> int:
         return 1
     model = effective["train"]["config"].get("model") or {}
     return model.get("pipeline_stages", 1) if isinstance(model, dict) else 1
+
+
+def ranks_text(effective: dict) -> str:
+    workers, gpus = effective["worker"]["replicas"], effective["worker"]["gpusPerWorker"]
+    stages = pipeline_stages(effective)
+    if stages == 1:
+        return f"world size {workers * gpus} ({workers} workers x {gpus} GPUs)"
+    return f"{data_parallel_size(effective)} data-parallel ranks ({workers} workers x {gpus} GPUs / {stages} stages)"
 
 
 def data_parallel_size(effective: dict) -> int:

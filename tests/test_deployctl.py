@@ -65,7 +65,7 @@ def test_plan_shows_the_job_and_warns_when_model_states_exceed_gpu_memory(tree, 
     code, out, _ = run("plan", "--env", "prod", "--project", "example", capsys=capsys)
     assert code == 0
     assert "workers     8 x 8 nvidia.com/gpu = world size 64" in out
-    assert "batch       micro 4 x accumulation 4 x world 64 = global 1024" in out
+    assert "batch       micro 4 x accumulation 4 x 64 data-parallel ranks = global 1024" in out
     assert "ZeRO stage 2, bf16" in out and "354.9M parameters" in out and "kube context prod" in out
     assert "WARNING" not in out
     edit(tree / "values" / "projects" / "example" / "values.yaml",
@@ -74,6 +74,18 @@ def test_plan_shows_the_job_and_warns_when_model_states_exceed_gpu_memory(tree, 
     code, out, _ = run("plan", "--env", "prod", "--project", "example", capsys=capsys)
     assert code == 0
     assert "WARNING: model states need" in out and "GPUs have 40 GiB" in out
+
+
+def test_plan_shows_the_pipeline_layout_and_counts_data_parallel_ranks_in_the_batch(tree, capsys):
+    set_key("dev.yaml", "chart", "train", "config", "model", "pipeline_stages", 2)(tree)
+    set_key("dev.yaml", "deepspeed", "overrides", {"zero_optimization": {"stage": 1}})(tree)
+    set_key("dev.yaml", "chart", "worker", "replicas", 4)(tree)
+    code, out, err = run("plan", "--env", "dev", capsys=capsys)
+    assert code == 0, err
+    assert "batch       micro 4 x accumulation 1 x 2 data-parallel ranks = global 8" in out
+    assert "layout      2 pipeline stages x 2 data-parallel ranks" in out
+    assert "stage 0     TokenEmbedding, AddPositions, Block:" in out and "stage 1     Block, LayerNorm, TokenEmbedding:" \
+        in out
 
 
 def test_deploy_dry_run_prints_the_helm_command_with_the_rendered_values():
@@ -169,6 +181,16 @@ BAD = {
                                  "chart.train.config: unknown key 'stepz'"),
     "bad model shape": (set_key("dev.yaml", "chart", "train", "config", "model", "d_model", 65), ["--env", "dev"],
                         "model.d_model must be a multiple of model.n_head (4), got 65"),
+    "pipeline stages that do not divide the world": (
+        set_key("dev.yaml", "chart", "train", "config", "model", "pipeline_stages", 3), ["--env", "dev"],
+        "train.config.model.pipeline_stages 3 must be an integer >= 1 that divides the world size 2"),
+    "pipeline with ZeRO-2": (set_key("dev.yaml", "chart", "train", "config", "model", "pipeline_stages", 2),
+                             ["--env", "dev"], "supports ZeRO stage 0 and 1 only"),
+    "a project forbidding itself nothing: resumeAcrossWorldSizes is the platform's": (
+        set_key("projects/example/values.yaml", "chart", "checkpoints", "resumeAcrossWorldSizes", True),
+        ["--env", "dev", "--project", "example"],
+        "values/projects/example/values.yaml: chart.checkpoints.resumeAcrossWorldSizes: whether a job may resume on "
+        "another world size is the platform's to set"),
 }
 
 
