@@ -195,6 +195,7 @@ def test_autotuning_runs_the_tuner_over_ssh_and_writes_to_the_checkpoint_volume(
     ({**AUTOTUNE, "train": {"module": "mypkg.train", "argsConvention": "deepspeed"}},
      "launcher.autotuning: DeepSpeed's autotuner drops --module from its experiments"),
     ({"launcher": {"autotuning": "sweep"}}, "/launcher/autotuning"),
+    ({"launcher": {"autotuning": "run"}}, "/launcher/autotuning"),  # stops early and reports success
 ])
 def test_autotuning_mistakes_stop_at_render(values, message):
     with pytest.raises(HelmError) as err:

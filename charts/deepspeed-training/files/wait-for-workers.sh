@@ -5,7 +5,7 @@
 # Usage: wait-for-workers.sh HOSTFILE TIMEOUT_SECONDS [INTERVAL_SECONDS]
 # Hosts are checked up to DS_WAIT_PARALLEL (32) at a time, so a round stays short on large jobs.
 set -euo pipefail
-hostfile="$1" timeout="$2" interval="${3:-5}" parallel="${DS_WAIT_PARALLEL:-32}"
+hostfile="$1" timeout="$2" interval="${3:-1}" parallel="${DS_WAIT_PARALLEL:-32}"
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "wait-for-workers: $*"; }
 
@@ -31,7 +31,7 @@ fi
 log "waiting up to ${timeout}s for $total workers (DNS, SSH, worker template ${DS_WORKER_TEMPLATE:-any})"
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
-deadline=$((SECONDS + timeout))
+deadline=$((SECONDS + timeout)) last_pending=-1 next_log=0
 while :; do
   for ((i = 0; i < ${#pending[@]}; i += parallel)); do
     for host in "${pending[@]:i:parallel}"; do
@@ -53,8 +53,12 @@ while :; do
     for host in "${pending[@]}"; do log "  $host: $(cat "$results/$host")"; done
     exit 1
   fi
-  shown="${pending[*]:0:5}"
-  ((${#pending[@]} > 5)) && shown+=" ... (+$((${#pending[@]} - 5)) more)"
-  log "$((total - ${#pending[@]}))/$total ready; waiting for: $shown ($((deadline - SECONDS))s left)"
+  # One line when the count changes, else every 10 s: a check per second would flood the log.
+  if ((${#pending[@]} != last_pending || SECONDS >= next_log)); then
+    shown="${pending[*]:0:5}"
+    ((${#pending[@]} > 5)) && shown+=" ... (+$((${#pending[@]} - 5)) more)"
+    log "$((total - ${#pending[@]}))/$total ready; waiting for: $shown ($((deadline - SECONDS))s left)"
+    last_pending=${#pending[@]} next_log=$((SECONDS + 10))
+  fi
   sleep "$interval"
 done
