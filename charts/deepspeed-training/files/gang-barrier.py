@@ -14,6 +14,7 @@ import sys
 import time
 
 LOG_EVERY_S = 5
+RETRY_S = 0.25  # a refused connection costs nothing; the run starts as soon as worker 0 listens
 
 
 def log(index: int, message: str) -> None:
@@ -108,7 +109,7 @@ def join(index: int, port: int, deadline: float, host0: str) -> int:
             log(index, f"waiting for worker 0 ({host0}:{port}) to open the start barrier: {reason} "
                        f"({deadline - time.monotonic():.0f}s left)")
             next_log = time.monotonic() + LOG_EVERY_S
-        time.sleep(1)
+        time.sleep(RETRY_S)
     log(index, f"ERROR: no start barrier on worker 0 ({host0}:{port}) within the timeout: {reason}")
     return 1
 
