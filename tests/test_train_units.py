@@ -9,7 +9,7 @@ import pytest
 
 from train import dsconfig
 from train.config import ConfigError, DataConfig, ModelConfig, parse_args
-from train.data import DataError, SyntheticData, TokenFileData, shard_bounds
+from train.data import DataError, SyntheticData, TokenFileData, samples
 from train.tokenize import decode, encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,20 +66,20 @@ def test_load_rejects_a_non_object(tmp_path):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 7])
-def test_token_file_shards_do_not_overlap_and_cover_the_file(tmp_path, world):
+def test_token_file_order_covers_every_window_once_per_epoch_whatever_the_world_size(tmp_path, world):
     length = 10_007
     (tmp_path / "t.bin").write_bytes((np.arange(length) % 256).astype("<u2").tobytes())
-    bounds = [shard_bounds(length, rank, world) for rank in range(world)]
-    assert bounds[0][0] == 0 and bounds[-1][1] == length
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
-    model = ModelConfig(seq_len=16)
-    for rank, (start, end) in enumerate(bounds):
-        data = TokenFileData(DataConfig(path=str(tmp_path / "t.bin")), model, rank, world, micro_batch=2)
-        offsets = data.window_offsets(epoch=0)
-        assert len(set(offsets)) == len(offsets) == data.windows
-        assert offsets.min() >= start and offsets.max() + model.seq_len + 1 <= end  # windows stay in the shard
-        inputs, targets = data.batch(position=0, size=2)
-        assert inputs.shape == (2, 16) and np.array_equal(inputs[:, 1:], targets[:, :-1])
+    model, cfg = ModelConfig(seq_len=16), DataConfig(path=str(tmp_path / "t.bin"))
+    data = TokenFileData(cfg, model, 0, world, micro_batch=2)
+    offsets = data.window_offsets(epoch=0)
+    assert len(set(offsets)) == len(offsets) == data.windows == (length - 1) // 16
+    assert offsets.max() + model.seq_len + 1 <= length
+    # A step of micro 2 on `world` ranks reads the same samples as one rank reading them all.
+    alone = TokenFileData(cfg, model, 0, 1, micro_batch=2).batch(0, 2 * world)[0]
+    ranks = [TokenFileData(cfg, model, r, world, 2).batch(samples(0, 2, r), 2)[0] for r in range(world)]
+    assert np.array_equal(np.concatenate(ranks), alone)
+    inputs, targets = data.batch(0, 2)
+    assert inputs.shape == (2, 16) and np.array_equal(inputs[:, 1:], targets[:, :-1])
 
 
 def test_token_file_position_replays_the_same_samples(tmp_path):
@@ -96,11 +96,12 @@ def test_token_ids_must_fit_the_vocabulary(tmp_path):
         TokenFileData(DataConfig(path=str(tmp_path / "t.bin")), ModelConfig(seq_len=8), 0, 1, 2)
 
 
-def test_synthetic_data_differs_per_rank_and_replays_per_position():
+def test_synthetic_samples_depend_on_their_index_only():
     cfg, model = DataConfig(), ModelConfig(seq_len=16)
-    rank0, rank1 = SyntheticData(cfg, model, 0, 2), SyntheticData(cfg, model, 1, 2)
-    assert not np.array_equal(rank0.batch(0, 4)[0], rank1.batch(0, 4)[0])
-    assert np.array_equal(rank0.batch(8, 4)[0], SyntheticData(cfg, model, 0, 2).batch(8, 4)[0])
+    rank0, rank1 = SyntheticData(cfg, model, 0, 2), SyntheticData(cfg, model, 1, 3)
+    assert not np.array_equal(rank0.batch(0, 4)[0], rank0.batch(4, 4)[0])
+    assert np.array_equal(rank0.batch(8, 4)[0], rank1.batch(8, 4)[0])  # any rank, any world size
+    assert np.array_equal(rank0.batch(8, 4)[0], np.concatenate([rank1.batch(8 + i, 1)[0] for i in range(4)]))
 
 
 def test_tokenizer_round_trips_text():

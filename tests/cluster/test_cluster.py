@@ -238,11 +238,11 @@ def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_templa
     """Seen before the fix: the new launcher passed its worker check against the OLD pods at once, pdsh then hit
     a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds."""
     values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10}}
-    install(namespace, steps=300, launcher={"scaleDownWorkers": False}, **values)
+    install(namespace, steps=150, launcher={"scaleDownWorkers": False}, **values)
     wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
              lambda: diagnose(namespace))
     # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
-    install(namespace, steps=300, action="upgrade", launcher={"scaleDownWorkers": False},
+    install(namespace, steps=150, action="upgrade", launcher={"scaleDownWorkers": False},
             worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
     second = f"{RELEASE}-deepspeed-training-launcher-2"
     outcome = wait_for(lambda: job_outcome(namespace, second), 400, "the new launcher to finish",
@@ -250,5 +250,5 @@ def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_templa
     logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace)
     assert outcome == "Complete", diagnose(namespace)
     assert not get("job", second, namespace)["status"].get("failed")
-    assert "retry" not in logs and "resumed from /checkpoints/step_" in logs and "INFO step 300/300" in logs
+    assert "retry" not in logs and "resumed from /checkpoints/step_" in logs and "INFO step 150/150" in logs
     print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)

@@ -59,7 +59,7 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
 
 def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shared_dir):
     """runRetries 0: the launcher pod fails, and the Job's next pod resumes."""
-    values = e2e_values(shared_dir, steps=400, log_every=10, checkpoint_every=20)
+    values = e2e_values(shared_dir, steps=120, log_every=10, checkpoint_every=20)
     values["launcher"]["runRetries"] = 0
     docs = render(values)
     with Cluster(docs) as cluster:
@@ -88,8 +88,8 @@ def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shar
         assert code == 0, retry_log[-4000:]
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry_log).group(1))
         assert resumed >= 40 and resumed % 20 == 0 and resumed <= done + 20
-        assert max(step_losses(retry_log)) == 400
-        assert checkpoint.is_complete(ckpt / "step_00000400")
+        assert max(step_losses(retry_log)) == 120
+        assert checkpoint.is_complete(ckpt / "step_00000120")
         assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
 
 
@@ -111,7 +111,7 @@ def test_sigterm_to_the_launcher_stops_the_remote_ranks(shared_dir):
 
 def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(shared_dir):
     """runRetries: a killed rank fails the run; the same launcher pod clears the workers and runs again."""
-    values = e2e_values(shared_dir, steps=200, log_every=10, checkpoint_every=20)
+    values = e2e_values(shared_dir, steps=100, log_every=10, checkpoint_every=20)
     values["launcher"]["runRetries"] = 1
     with Cluster(render(values)) as cluster:
         workers = cluster.start_workers()
@@ -128,4 +128,4 @@ def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(
         assert "launcher: retry 1 of 1: starting the run again" in log
         assert log.count("wait-for-workers: all 2 workers are reachable") == 2
         assert re.search(r"resumed from \S+step_000000[4-9]0 at step", log)
-        assert max(step_losses(log)) == 200
+        assert max(step_losses(log)) == 100
