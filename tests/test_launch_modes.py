@@ -18,7 +18,7 @@ def test_nossh_renders_no_ssh_no_launcher_no_token():
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Service", "ServiceAccount"]
     scripts = one(docs, "ConfigMap", "-scripts")
-    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "nossh-worker.sh", "gang-barrier.py"}
+    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "nossh-worker.sh", "gang-barrier.py"}
     text = str([d for d in docs if d is not scripts])
     assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
     assert [p["port"] for p in one(docs, "Service")["spec"]["ports"]] == [29500]

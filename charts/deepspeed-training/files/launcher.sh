@@ -7,7 +7,9 @@
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "launcher: $*"; }
-child="" stopping=""
+# shellcheck source=run-child.sh
+source "$scripts_dir/run-child.sh"  # run_in_background, $child
+stopping=""
 # PID 1 ignores SIGTERM without a handler: set it first, also for the waits below. DeepSpeed's runner answers
 # SIGTERM by killing the ranks on every worker (pdsh pkill), then exits 1.
 trap 'stopping=1; log "SIGTERM: stopping the DeepSpeed run"; if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
@@ -21,19 +23,6 @@ install -m 600 "$DS_CONFIG_DIR/deepspeed_env" "$HOME/.deepspeed_env"
 export PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="-F $HOME/.ssh/config"
 kill_ranks=(env "DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" "DS_RANK_STATE_DIR=$DS_RANK_STATE_DIR" bash "$scripts_dir/kill-ranks.sh")
 hosts=$(bash "$scripts_dir/hosts.sh" "$hostfile" | paste -sd, -)
-
-# run_in_background CMD...: runs CMD so that SIGTERM is handled meanwhile; sets rc to its exit status.
-run_in_background() {
-  "$@" &
-  child=$!
-  rc=0
-  wait "$child" || rc=$?
-  # A trapped signal ends the first wait early; the second returns the real status (127 if already reaped).
-  local rc2=0
-  wait "$child" 2> /dev/null || rc2=$?
-  ((rc2 == 127)) || rc=$rc2
-  child=""
-}
 
 retries="${DS_RUN_RETRIES:-0}"
 for ((attempt = 0; ; attempt++)); do

@@ -10,24 +10,13 @@ set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 node_rank="${JOB_COMPLETION_INDEX:?set by the Job controller (completionMode: Indexed)}"
 log() { echo "worker $node_rank: $*"; }
-child="" stopping=""
+# shellcheck source=run-child.sh
+source "$scripts_dir/run-child.sh"  # run_in_background, $child
+stopping=""
 # PID 1 ignores SIGTERM without a handler. The ranks get SIGTERM (they save a checkpoint together) and, if
 # they do not stop within the grace period, SIGKILL.
 trap 'stopping=1; log "SIGTERM: stopping local ranks"; bash "$scripts_dir/kill-ranks.sh" || true
       if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
-
-# run_in_background CMD...: runs CMD so that SIGTERM is handled meanwhile; sets rc to its exit status.
-run_in_background() {
-  "$@" &
-  child=$!
-  rc=0
-  wait "$child" || rc=$?
-  # A trapped signal ends the first wait early; the second returns the real status (127 if already reaped).
-  local rc2=0
-  wait "$child" 2> /dev/null || rc2=$?
-  ((rc2 == 127)) || rc=$rc2
-  child=""
-}
 
 mapfile -t hosts < <(bash "$scripts_dir/hosts.sh" "$DS_CONFIG_DIR/hostfile")
 retries="${DS_RUN_RETRIES:-0}"
