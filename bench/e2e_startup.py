@@ -89,8 +89,7 @@ def fault_trial(extensions: Path, mode: str) -> dict:
         log_pod = rank0_pod(cluster)
         wait_for_text(log_pod, re.compile(r"INFO step 5[0-9]/"), 300)
         worker1 = cluster.pods_of("worker")[1]
-        victim = next(p for p in cluster.rank_pids(worker1)
-                      if "--local_rank=" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+        victim = cluster.rank_pids(worker1, ranks_only=True)[0]
         done = max(step_losses(log_pod.log()))
         attempts = {pod.name: pod.attempt for pod in cluster.pods}
         killed = time.monotonic()

@@ -221,9 +221,10 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     micro, accum, global_batch = inputs.batch
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     stages = cfg.model.pipeline_stages
+    plan = stage_plan(cfg.model) if stages > 1 else []
     if stages > 1:
         model = PipelineGPT(cfg.model, cfg.seed)
-        parameters = sum(n for _, n in stage_plan(cfg.model)) - cfg.model.vocab_size * cfg.model.d_model  # tied once
+        parameters = sum(n for _, n in plan) - cfg.model.vocab_size * cfg.model.d_model  # the tied copy once
     else:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model)
@@ -237,7 +238,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         f"{accum} accumulation x {inputs.data_parallel} ranks = {global_batch} | {parameters / 1e6:.2f}M "
         f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}"
         + (f" | layout {layout}" if stages > 1 else ""))
-    for stage, (layers, count) in enumerate(stage_plan(cfg.model) if stages > 1 else []):
+    for stage, (layers, count) in enumerate(plan):
         logger.info(f"pipeline stage {stage}: {layers} | {count / 1e6:.2f}M parameters")
 
     use = utilisation(cfg, model, dtype != "fp32")

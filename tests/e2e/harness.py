@@ -398,15 +398,16 @@ class Cluster:
         code = wait(self.start(launcher), timeout=timeout)
         return code, launcher.log()
 
-    def rank_pids(self, pod: Pod) -> list[int]:
-        """The pod's DeepSpeed processes: deepspeed.launcher.launch and the ranks it started."""
+    def rank_pids(self, pod: Pod, ranks_only: bool = False) -> list[int]:
+        """The pod's DeepSpeed processes: deepspeed.launcher.launch and the ranks it started (ranks_only: the
+        ranks, the processes a test kills to make one fail)."""
         pids = []
         for pid in self.pids(pod):
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "--local_rank=" in cmdline or "deepspeed.launcher.launch" in cmdline:
+            if "--local_rank=" in cmdline or ("deepspeed.launcher.launch" in cmdline and not ranks_only):
                 pids.append(pid)
         return pids
 

@@ -4,7 +4,6 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -68,8 +67,7 @@ def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shar
         first = cluster.start(launcher)
         ckpt = cluster.claim_dir("checkpoints")
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
-        victim = [p for p in cluster.rank_pids(workers[1]) if "--local_rank=" in Path(f"/proc/{p}/cmdline")
-                  .read_bytes().decode(errors="replace")]
+        victim = cluster.rank_pids(workers[1], ranks_only=True)
         assert victim, "no rank process on worker 1"
         killed_at = time.monotonic()
         os.kill(victim[0], signal.SIGKILL)
@@ -119,8 +117,7 @@ def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(
         process = cluster.start(launcher)
         ckpt = cluster.claim_dir("checkpoints")
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
-        victim = [p for p in cluster.rank_pids(workers[1]) if "--local_rank=" in Path(f"/proc/{p}/cmdline")
-                  .read_bytes().decode(errors="replace")]
+        victim = cluster.rank_pids(workers[1], ranks_only=True)
         os.kill(victim[0], signal.SIGKILL)
         code = wait(process, timeout=300)
         log = launcher.log()

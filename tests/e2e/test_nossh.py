@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,16 +23,6 @@ def nossh_values(shared_dir, retries: int = 1, **train) -> dict:
     values["launchMode"] = "nossh"
     values["launcher"]["runRetries"] = retries
     return values
-
-
-def rank_cmdlines(cluster: Cluster, pod) -> dict[int, str]:
-    out = {}
-    for pid in cluster.rank_pids(pod):
-        try:
-            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            pass
-    return out
 
 
 def test_nossh_trains_across_hosts_without_ssh_and_every_pod_ends(shared_dir):
@@ -70,7 +59,7 @@ def test_nossh_a_killed_rank_fails_every_rank_and_the_pods_restart_together_from
         processes = [cluster.start(w) for w in (worker0, worker1)]
         ckpt = cluster.claim_dir("checkpoints")
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", worker0.log)
-        victim = [pid for pid, cmd in rank_cmdlines(cluster, worker1).items() if "--local_rank=" in cmd]
+        victim = cluster.rank_pids(worker1, ranks_only=True)
         assert victim, "no rank on worker 1"
         done = max(step_losses(worker0.log()))
         killed_at = time.monotonic()
