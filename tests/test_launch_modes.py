@@ -170,7 +170,8 @@ def test_launch_mode_mistakes_stop_at_render(values, message):
 
 
 AUTOTUNE = {"launcher": {"autotuning": "tune"}, "train": {"script": "/data/code/train.py",
-                                                          "argsConvention": "deepspeed"}}
+                                                          "argsConvention": "deepspeed"},
+            "checkpoints": {"existingClaim": "shared"}}
 
 
 def test_autotuning_runs_the_tuner_over_ssh_and_writes_to_the_checkpoint_volume():
@@ -184,6 +185,10 @@ def test_autotuning_runs_the_tuner_over_ssh_and_writes_to_the_checkpoint_volume(
     tuned = json.loads(one(docs, "ConfigMap", "-config")["data"]["ds_config.json"])["autotuning"]
     assert tuned == {"enabled": True, "metric": "throughput", "fast": False, "overwrite": False,
                      "results_dir": "/checkpoints/autotuning/results", "exps_dir": "/checkpoints/autotuning/exps"}
+    launcher = one(docs, "Job")["spec"]["template"]["spec"]
+    mount = next(m for m in container(one(docs, "Job"))["volumeMounts"] if m["name"] == "checkpoints")
+    assert mount == {"name": "checkpoints", "mountPath": "/checkpoints", "subPath": "default/job"}
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "shared"}} in launcher["volumes"]
     plain = json.loads(one(render_chart(), "ConfigMap", "-config")["data"]["ds_config.json"])
     assert "autotuning" not in plain and "--autotuning=tune" not in container(one(render_chart(), "Job"))["args"]
 
@@ -194,6 +199,11 @@ def test_autotuning_runs_the_tuner_over_ssh_and_writes_to_the_checkpoint_volume(
      "launcher.autotuning: DeepSpeed's autotuner finds the ds_config after --deepspeed_config or --deepspeed"),
     ({**AUTOTUNE, "train": {"module": "mypkg.train", "argsConvention": "deepspeed"}},
      "launcher.autotuning: DeepSpeed's autotuner drops --module from its experiments"),
+    ({**AUTOTUNE, "checkpoints": {}}, "launcher.autotuning: the autotuner in the launcher pod reads the results"),
+    *[({**AUTOTUNE, "deepspeed": {"config": {"train_micro_batch_size_per_gpu": 4, "autotuning": {key: value}}}},
+       f"deepspeed.config.autotuning.{key}: set by the chart")
+      for key, value in (("exps_dir", "/checkpoints"), ("results_dir", "/tmp/r"), ("enabled", True),
+                         ("metric_path", "/checkpoints/m.json"), ("model_info_path", "/x.json"))],
     ({"launcher": {"autotuning": "sweep"}}, "/launcher/autotuning"),
     ({"launcher": {"autotuning": "run"}}, "/launcher/autotuning"),  # stops early and reports success
 ])

@@ -103,6 +103,28 @@ def find_resume_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
     return None, []
 
 
+def release() -> str:
+    """`<namespace>/<release>` that owns this run's checkpoints (the chart's DS_RELEASE); "" outside the chart."""
+    return os.environ.get("DS_RELEASE", "")
+
+
+def resume_source() -> tuple[Path, str] | None:
+    """(dir, release) of another release's checkpoints this run may start from when its own dir holds none: the
+    platform's opt-in (chart value checkpoints.resumeFrom, mounted read-only); None without it."""
+    directory, owner = os.environ.get("DS_RESUME_FROM_DIR", ""), os.environ.get("DS_RESUME_FROM_RELEASE", "")
+    return (Path(directory), owner) if directory and owner else None
+
+
+def check_owner(manifest: dict, tag_dir: Path, expected: str) -> None:
+    """A checkpoint names the release that wrote it; resuming another release's one is refused (checkpoints of
+    releases sharing a claim never mix). Checkpoints written outside the chart name none."""
+    owner = manifest.get("release", "")
+    if expected and owner and owner != expected:
+        raise CheckpointError(f"checkpoint {tag_dir} belongs to release {owner}, not to {expected}: a release resumes "
+                              "only its own checkpoints (to start from another release's, the platform sets "
+                              "checkpoints.resumeFrom)")
+
+
 LAYOUT_DEFAULTS = {"pipeline_stages": 1}  # what checkpoints from before a layout key existed were written with
 
 
@@ -170,11 +192,12 @@ def cross_layout_load(tag_dir: Path, saved: dict, layout: dict, allowed: bool, w
     return "universal"
 
 
-def universal_copy(ckpt_dir: Path, tag: str, rank: int, logger) -> Path:
-    """<ckpt>/universal/<tag>, DeepSpeed's universal form of `tag`, converted once: rank 0 converts into a
-    temporary dir, renames it into place and commits it like a checkpoint (the original is only read); the
-    other ranks wait, and every rank gets the outcome. A complete copy is reused."""
-    target = ckpt_dir / UNIVERSAL_DIR / tag
+def universal_copy(ckpt_dir: Path, tag: str, rank: int, logger, into: Path | None = None) -> Path:
+    """<into>/universal/<tag> (`into` defaults to `ckpt_dir`; another release's dir is read-only), DeepSpeed's
+    universal form of `tag`, converted once: rank 0 converts into a temporary dir, renames it into place and
+    commits it like a checkpoint (the original is only read); the other ranks wait, and every rank gets the
+    outcome. A complete copy is reused."""
+    target = (into or ckpt_dir) / UNIVERSAL_DIR / tag
     outcome = [None]
     if rank == 0:
         try:
@@ -216,7 +239,7 @@ def _convert(source: Path, target: Path) -> None:
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layout: dict, ds_config: dict) -> str:
     """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits on rank 0. The manifest records
-    the layout and the ds_config (a resume compares them with its own)."""
+    the owning release, the layout and the ds_config (a resume checks and compares them)."""
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
     if dist.get_rank() == 0 and tag_dir.exists():  # left by an attempt that died mid-save
@@ -229,7 +252,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layou
                 os.fsync(f.fileno())
     dist.barrier()
     if dist.get_rank() == 0:
-        manifest = {"step": step, **layout, "ds_config": ds_config, "files": _files(tag_dir)}
+        manifest = {"step": step, "release": release(), **layout, "ds_config": ds_config, "files": _files(tag_dir)}
         write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
         write_atomic(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep)

@@ -75,6 +75,7 @@ def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
         raise ConfigError(f"model.pipeline_stages {stages} must divide the world size {world_size} "
                           "(stages x data-parallel ranks)")
     data_parallel = world_size // stages
+    check_chart_paths(cfg)
     ds_config = dsconfig.load(cfg.ds_config)
     batch = dsconfig.validate(ds_config, data_parallel, cfg.ds_config)
     dsconfig.check_pipeline(ds_config, stages, cfg.ds_config)
@@ -84,6 +85,18 @@ def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
     # Stage s, data-parallel rank d is global rank s * data_parallel + d: both ends of a pipeline read alike.
     data = make_data(cfg.data, cfg.model, rank % data_parallel, data_parallel, batch[0])
     return Inputs(ds_config, batch, data, data_parallel, rank % data_parallel)
+
+
+def check_chart_paths(cfg: TrainConfig) -> None:
+    """Under the chart, which ds_config runs and where checkpoints go are the chart's (its env on every rank):
+    a config key or a later flag that points elsewhere would train with an unchecked config, or save where no
+    restart finds it."""
+    for key, env in (("ds_config", "DS_CONFIG_PATH"), ("checkpoint_dir", "DS_CHECKPOINT_DIR")):
+        chart_path, ours = os.environ.get(env, ""), getattr(cfg, key)
+        if chart_path and os.path.normpath(ours or ".") != os.path.normpath(chart_path):
+            raise ConfigError(f"{key} {ours!r}, but the chart's is {chart_path!r} ({env}): the chart decides it "
+                              f"(deepspeed.config, checkpoints.mountPath); remove {key} from train.config and "
+                              "train.args")
 
 
 def check_world_size(world_size: int) -> None:
@@ -106,13 +119,18 @@ def resume(engine, cfg: TrainConfig, inputs: Inputs, rank: int, layout: dict) ->
     """(step, data position) of the newest complete checkpoint every rank agrees on; (0, 0) for a fresh start.
     A checkpoint of another layout (world size, ZeRO stage) is loaded through DeepSpeed's universal form, or its
     weights only with reset_optimizer; what changed in the ds_config since is logged, or refused."""
-    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    if not ckpt_dir:
+    own_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if not own_dir:
         return 0, 0
+    ckpt_dir, owner = own_dir, checkpoint.release()
     tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, layout["world_size"], logger)
+    if not tag and checkpoint.resume_source():  # the platform's opt-in: start from another release's checkpoint
+        ckpt_dir, owner = checkpoint.resume_source()
+        tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, layout["world_size"], logger)
     if not tag:
         return 0, 0
     manifest = checkpoint.read_manifest(ckpt_dir / tag)
+    checkpoint.check_owner(manifest, ckpt_dir / tag, owner)
     effect, kept = dsconfig.resume_changes(manifest.get("ds_config"), inputs.ds_config, cfg.reset_optimizer,
                                            cfg.ds_config)
     saved = checkpoint.saved_layout(manifest, layout)
@@ -122,7 +140,7 @@ def resume(engine, cfg: TrainConfig, inputs: Inputs, rank: int, layout: dict) ->
         how = checkpoint.cross_layout_load(ckpt_dir / tag, saved, layout, allowed, cfg.reset_optimizer)
     fresh = dict(load_optimizer_states=False, load_lr_scheduler_states=False) if cfg.reset_optimizer else {}
     if how == "universal":
-        source = checkpoint.universal_copy(ckpt_dir, tag, rank, logger)
+        source = checkpoint.universal_copy(ckpt_dir, tag, rank, logger, into=own_dir)
         engine._config.load_universal_checkpoint = True  # for this load only: a later plain tag must not use it
         try:
             path, client_state = engine.load_checkpoint(str(source.parent), tag=tag)

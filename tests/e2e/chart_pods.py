@@ -29,8 +29,8 @@ def e2e_values(shared_dir: Path, workers: int = 2, steps: int = 40, **train) -> 
     }
 
 
-def render(values: dict) -> list[dict]:
-    docs = render_chart(values)
+def render(values: dict, release: str = "job") -> list[dict]:
+    docs = render_chart(values, release=release)
     # What the cluster already holds: the Secret the valueFrom entry names.
     docs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "e2e-secret", "namespace": "default"},
                  "data": {"value": base64.b64encode(SECRET_VALUE.encode()).decode()}})

@@ -144,17 +144,21 @@ def find_object(docs: list[dict], kind: str, name: str) -> dict:
 
 class Claims:
     """One shared directory per PersistentVolumeClaim under `root`, as a ReadWriteMany volume: call with a claim
-    name for its directory (mode 0777, since fsGroup does not apply to such volumes)."""
+    name (and a mount's subPath) for its directory (mode 0777, since fsGroup does not apply to such volumes; a
+    subPath directory gets the mode of the claim's root, as the kubelet makes it). Several clusters given one
+    Claims share the claims, as releases on one cluster do."""
 
     def __init__(self, root: Path):
-        self.root, self.dirs = root, {}
+        self.root = root
 
-    def __call__(self, claim: str) -> Path:
-        if claim not in self.dirs:
-            self.dirs[claim] = self.root / "claims" / claim
-            self.dirs[claim].mkdir(parents=True)
-            self.dirs[claim].chmod(0o777)
-        return self.dirs[claim]
+    def __call__(self, claim: str, sub_path: str = "") -> Path:
+        path = self.root / "claims" / claim
+        for part in [Path(), *Path(sub_path).parts]:
+            path = path / part
+            if not path.is_dir():
+                path.mkdir(parents=True)
+                path.chmod(0o777)
+        return path
 
 
 def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> dict[str, Path]:
@@ -184,7 +188,7 @@ def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> di
             target.mkdir(parents=True, exist_ok=True)
             os.chmod(target, 0o777)
         elif "persistentVolumeClaim" in volume:
-            target = claim_dir(volume["persistentVolumeClaim"]["claimName"])
+            target = claim_dir(volume["persistentVolumeClaim"]["claimName"], mount.get("subPath", ""))
         else:
             raise RuntimeError(f"{pod.name}: volume {mount['name']}: type not emulated")
         mounts[mount["mountPath"]] = target
@@ -209,7 +213,7 @@ def container_env(docs: list[dict], pod: Pod) -> dict[str, str]:
 class Cluster:
     """Hosts for the pods of one render. Use as a context manager; everything is removed on exit."""
 
-    def __init__(self, docs: list[dict], subnet: int = 231):
+    def __init__(self, docs: list[dict], subnet: int = 231, claims: Claims | None = None):
         self.docs = docs
         self.id = uuid.uuid4().hex[:6]
         self.subnet = subnet
@@ -217,7 +221,7 @@ class Cluster:
         os.chmod(self.tmp, 0o755)
         self.pods = pods_from_render(docs)
         self.switch = f"ds{self.id}sw"
-        self.claim_dir = Claims(self.tmp)
+        self.claim_dir = claims or Claims(self.tmp)
         self.created_dirs: list[Path] = []
         for i, pod in enumerate(self.pods):
             pod.ip, pod.netns = f"10.{subnet}.0.{10 + i}", f"ds{self.id}p{i}"
@@ -290,6 +294,13 @@ class Cluster:
             d.mkdir()
             self.created_dirs.append(d)
 
+    def checkpoint_dir(self) -> Path:
+        """What the worker pods see at checkpoints.mountPath: the release's own directory on the claim."""
+        pod = self.pods_of("worker")[0]
+        mount = next(m for m in pod.container["volumeMounts"] if m["name"] == "checkpoints")
+        volume = next(v for v in pod.volumes if v["name"] == "checkpoints")
+        return self.claim_dir(volume["persistentVolumeClaim"]["claimName"], mount.get("subPath", ""))
+
     # ---- processes
     def start(self, pod: Pod, argv: list[str] | None = None, log_name: str | None = None,
               new_pod: bool = False) -> subprocess.Popen:
@@ -313,6 +324,9 @@ class Cluster:
                 binds += f"mount --rbind {shlex.quote(str(src))} {shlex.quote(dst)}; "
             else:
                 binds += f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}; "
+        for mount in pod.container.get("volumeMounts", []):
+            if mount.get("readOnly"):
+                binds += f"mount -o remount,bind,ro {shlex.quote(mount['mountPath'])}; "
         workdir = pod.container.get("workingDir", "/")
         inner = (f"hostname {shlex.quote(pod.hostname)}; {binds}cd {shlex.quote(workdir)}; exec setpriv "
                  f"--reuid={pod.uid} --regid={pod.gid} --clear-groups --inh-caps=-all "

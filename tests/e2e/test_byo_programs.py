@@ -44,9 +44,9 @@ def test_a_hugging_face_trainer_program_trains_checkpoints_and_resumes(shared_di
                                 args=[*HF_ARGS, f"--max_steps={max_steps}"])
         values["deepspeed"]["config"] = hf_ds_config()
         with Cluster(render(values)) as cluster:
-            subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.claim_dir("checkpoints"))], check=True)
+            subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.checkpoint_dir())], check=True)
             code, log = cluster.run_launcher(timeout=300)
-            subprocess.run(["cp", "-a", f"{cluster.claim_dir('checkpoints')}/.", str(claim)], check=True)
+            subprocess.run(["cp", "-a", f"{cluster.checkpoint_dir()}/.", str(claim)], check=True)
             return code, log
 
     code, log = attempt(10)
@@ -82,7 +82,7 @@ def test_a_deepspeed_examples_style_argparse_module_runs(shared_dir):
         losses = argparse_losses(log)
         assert len(losses) == 4 and losses[-1] < losses[0], losses
         # No --save_dir: the program took the chart's DS_CHECKPOINT_DIR from its env.
-        assert (cluster.claim_dir("checkpoints") / "step20").is_dir()
+        assert (cluster.checkpoint_dir() / "step20").is_dir()
 
 
 def test_a_script_gets_the_charts_paths_through_placeholders(shared_dir):
@@ -95,4 +95,4 @@ def test_a_script_gets_the_charts_paths_through_placeholders(shared_dir):
         assert f"{ROOT}/examples/ds_argparse.py --deepspeed --deepspeed_config=/etc/deepspeed/config/ds_config.json " \
                "--save_dir=/checkpoints/run1 --steps=10" in log
         assert "ds_argparse: saved /checkpoints/run1/step10" in log
-        assert (cluster.claim_dir("checkpoints") / "run1" / "step10").is_dir()
+        assert (cluster.checkpoint_dir() / "run1" / "step10").is_dir()

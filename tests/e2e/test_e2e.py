@@ -1,5 +1,6 @@
 """The rendered chart trains across hosts: launcher + workers as network-namespace hosts (see harness.py)."""
 
+import json
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import pytest
 
 from tests.e2e.chart_pods import REASON, SECRET_VALUE, UID, e2e_values, render
 from tests.e2e.harness import (
+    ROOT,
     Cluster,
     step_losses,
     wait,
@@ -27,7 +29,7 @@ def test_the_rendered_chart_trains_across_hosts(shared_dir):
         losses = step_losses(log)
         assert sorted(losses) == [10, 20, 30, 40]
         assert losses[40] < losses[10]
-        ckpt = cluster.claim_dir("checkpoints")
+        ckpt = cluster.checkpoint_dir()
         assert (ckpt / "latest").read_text() == "step_00000040"
         assert checkpoint.is_complete(ckpt / "step_00000040")
         # The chart's env reached every rank: plain values through .deepspeed_env, the secret through sshd.
@@ -65,7 +67,7 @@ def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shar
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         first = cluster.start(launcher)
-        ckpt = cluster.claim_dir("checkpoints")
+        ckpt = cluster.checkpoint_dir()
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
         victim = cluster.rank_pids(workers[1], ranks_only=True)
         assert victim, "no rank process on worker 1"
@@ -115,7 +117,7 @@ def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         process = cluster.start(launcher)
-        ckpt = cluster.claim_dir("checkpoints")
+        ckpt = cluster.checkpoint_dir()
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
         victim = cluster.rank_pids(workers[1], ranks_only=True)
         os.kill(victim[0], signal.SIGKILL)
@@ -126,3 +128,27 @@ def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(
         assert log.count("wait-for-workers: all 2 workers are reachable") == 2
         assert re.search(r"resumed from \S+step_000000[4-9]0 at step", log)
         assert max(step_losses(log)) == 100
+
+
+def test_autotuning_tunes_through_the_chart_in_the_releases_own_directory(shared_dir):
+    """DeepSpeed's real autotuner in the launcher pod, its experiments over SSH on the workers, its files in the
+    release's directory on the claim (a tiny search space: the model-info profile and one ZeRO-0 experiment)."""
+    values = e2e_values(shared_dir)
+    values["launcher"]["autotuning"] = "tune"
+    values["train"] = {"script": str(ROOT / "tests" / "e2e" / "tune_probe.py"), "argsConvention": "deepspeed"}
+    values["deepspeed"]["config"] = {
+        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1_000_000, "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "autotuning": {"fast": True, "metric": "throughput", "start_profile_step": 1, "end_profile_step": 2,
+                       "max_train_micro_batch_size_per_gpu": 1}}
+    with Cluster(render(values)) as cluster:
+        code, log = cluster.run_launcher(timeout=420)
+        assert code == 0, log[-6000:]
+        results = cluster.checkpoint_dir() / "autotuning" / "results"
+        assert "autotuning done: /checkpoints/autotuning/results/ds_config_optimal.json" in log
+        optimal = json.loads((results / "ds_config_optimal.json").read_text())
+        assert optimal["train_micro_batch_size_per_gpu"] == 1 and optimal["zero_optimization"]["stage"] == 0
+        assert (results / "profile_model_info" / "model_info.json").is_file()
+        assert (cluster.checkpoint_dir() / "autotuning" / "exps").is_dir()
+        claim = cluster.claim_dir("checkpoints")
+        assert sorted(p.name for p in claim.iterdir()) == ["default"]  # nothing outside the release's directory

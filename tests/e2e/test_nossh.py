@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.e2e.chart_pods import REASON, SECRET_VALUE, e2e_values, render
-from tests.e2e.harness import Cluster, step_losses, wait, wait_for
+from tests.e2e.harness import Claims, Cluster, step_losses, wait, wait_for
 from tests.train_run import cpu_ds_config
 from train import checkpoint
 
@@ -38,7 +38,7 @@ def test_nossh_trains_across_hosts_without_ssh_and_every_pod_ends(shared_dir):
         assert "world size 2 | ZeRO stage 2" in log
         losses = step_losses(log)
         assert sorted(losses) == [10, 20, 30, 40] and losses[40] < losses[10]
-        ckpt = cluster.claim_dir("checkpoints")
+        ckpt = cluster.checkpoint_dir()
         assert checkpoint.is_complete(ckpt / "step_00000040")
         # Plain env and the secret reach every rank by construction (the pod's env), on both hosts.
         expected_secret = hashlib.sha256(SECRET_VALUE.encode()).hexdigest()[:12]
@@ -57,7 +57,7 @@ def test_nossh_a_killed_rank_fails_every_rank_and_the_pods_restart_together_from
     with Cluster(docs) as cluster:
         worker0, worker1 = cluster.pods_of("worker")
         processes = [cluster.start(w) for w in (worker0, worker1)]
-        ckpt = cluster.claim_dir("checkpoints")
+        ckpt = cluster.checkpoint_dir()
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", worker0.log)
         victim = cluster.rank_pids(worker1, ranks_only=True)
         assert victim, "no rank on worker 1"
@@ -90,7 +90,7 @@ def test_nossh_a_lost_worker_is_replaced_and_joins_the_others_at_the_barrier(sha
         worker0, worker1 = cluster.pods_of("worker")
         first = cluster.start(worker0)
         cluster.start(worker1)
-        ckpt = cluster.claim_dir("checkpoints")
+        ckpt = cluster.checkpoint_dir()
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", worker0.log)
         cluster.kill(worker1)
         wait_for(lambda: "retry 1 of 1" in worker0.log(), 20 + 30, "worker 0 to retry", worker0.log)
@@ -130,9 +130,9 @@ def test_a_job_redeployed_on_fewer_workers_resumes_through_a_universal_checkpoin
         values["worker"]["replicas"] = workers
         values["deepspeed"]["config"] = cpu_ds_config(stage=2, micro=4, accum=None, train_batch_size=8)
         with Cluster(render(values)) as cluster:
-            subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.claim_dir("checkpoints"))], check=True)
+            subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.checkpoint_dir())], check=True)
             codes = cluster.run_workers(timeout=300)
-            subprocess.run(["cp", "-a", f"{cluster.claim_dir('checkpoints')}/.", str(claim)], check=True)
+            subprocess.run(["cp", "-a", f"{cluster.checkpoint_dir()}/.", str(claim)], check=True)
             log = cluster.pods_of("worker")[0].log()
             assert codes == [0] * workers, log[-4000:]
             return log
@@ -145,3 +145,39 @@ def test_a_job_redeployed_on_fewer_workers_resumes_through_a_universal_checkpoin
             "/checkpoints/universal/step_00000020") in log
     assert max(step_losses(log)) == 40
     assert checkpoint.read_manifest(claim / "step_00000040")["world_size"] == 1
+
+
+def test_two_releases_on_one_claim_each_save_prune_and_resume_only_their_own(shared_dir, tmp_path):
+    """Two projects on one checkpoint claim, running at the same time: each release writes, prunes and resumes
+    in its own <namespace>/<release> directory, and a redeploy of one resumes its own newest checkpoint, not the
+    other's newer one."""
+    claims = Claims(tmp_path)
+    tmp_path.chmod(0o755)
+
+    def values(steps: int) -> dict:
+        v = nossh_values(shared_dir, retries=0, steps=steps, log_every=10, checkpoint_every=10, keep_checkpoints=1)
+        v["worker"]["replicas"] = 1
+        v["deepspeed"]["config"] = cpu_ds_config(stage=1, micro=4)
+        return v
+
+    with Cluster(render(values(20), "team-a"), subnet=232, claims=claims) as a, \
+            Cluster(render(values(30), "team-b"), subnet=233, claims=claims) as b:
+        processes = [a.start(a.pods_of("worker")[0]), b.start(b.pods_of("worker")[0])]
+        codes = [wait(p, timeout=300) for p in processes]
+        assert codes == [0, 0], a.pods_of("worker")[0].log()[-3000:] + b.pods_of("worker")[0].log()[-3000:]
+        dir_a, dir_b = a.checkpoint_dir(), b.checkpoint_dir()
+    assert sorted(p.relative_to(tmp_path / "claims" / "checkpoints").as_posix()
+                  for p in (tmp_path / "claims" / "checkpoints" / "default").iterdir()) == ["default/team-a",
+                                                                                          "default/team-b"]
+    # Each pruned to its own newest (keep_checkpoints 1), and each checkpoint names its release.
+    assert [t.name for t in checkpoint.tags_newest_first(dir_a)] == ["step_00000020"]
+    assert [t.name for t in checkpoint.tags_newest_first(dir_b)] == ["step_00000030"]
+    assert checkpoint.read_manifest(dir_a / "step_00000020")["release"] == "default/team-a"
+    assert checkpoint.read_manifest(dir_b / "step_00000030")["release"] == "default/team-b"
+    # Release a is redeployed: it resumes its own step 20, never b's step 30.
+    with Cluster(render(values(40), "team-a"), subnet=232, claims=claims) as a:
+        assert a.run_workers(timeout=300) == [0], a.pods_of("worker")[0].log()[-3000:]
+        log = a.pods_of("worker")[0].log()
+    assert "resumed from /checkpoints/step_00000020 at step 20" in log, log[-3000:]
+    assert [t.name for t in checkpoint.tags_newest_first(dir_a)] == ["step_00000040"]
+    assert [t.name for t in checkpoint.tags_newest_first(dir_b)] == ["step_00000030"]

@@ -70,7 +70,8 @@ def test_the_image_runs_the_chart_pods():
         assert code == 0, log[-6000:]
         assert "wait-for-workers: all 2 workers are reachable" in log
         assert "[rank 0] INFO step 20/20" in log
-        assert checkpoint.is_complete(claim_dir("checkpoints") / "step_00000020")
+        release_dir = claim_dir("checkpoints", "default/job")  # the subPath of release "job" in "default"
+        assert checkpoint.is_complete(release_dir / "step_00000020")
     finally:
         for name in names:
             podman("rm", "--force", name, check=False)

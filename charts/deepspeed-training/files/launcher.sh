@@ -35,6 +35,15 @@ for ((attempt = 0; ; attempt++)); do
   log "running: $*"
   run_in_background "$@"
   log "DeepSpeed exited with status $rc"
+  # DeepSpeed's tuner exits 0 also when every experiment failed: only its optimal config means it finished.
+  if ((rc == 0)) && [[ -n "${DS_AUTOTUNING_RESULTS:-}" ]]; then
+    if [[ -f "$DS_AUTOTUNING_RESULTS/ds_config_optimal.json" ]]; then
+      log "autotuning done: $DS_AUTOTUNING_RESULTS/ds_config_optimal.json (see summary.txt beside it)"
+    else
+      log "autotuning ended without $DS_AUTOTUNING_RESULTS/ds_config_optimal.json: no experiment succeeded (see the experiments' stderr.log under $DS_AUTOTUNING_RESULTS)"
+      rc=1
+    fi
+  fi
   if ((rc == 0)); then
     break
   fi

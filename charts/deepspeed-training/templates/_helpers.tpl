@@ -305,6 +305,15 @@ and the pod need to stop. */}}
   value: {{ include "deepspeed-training.rankStateDir" . | quote }}
 - name: DS_RESUME_ACROSS_WORLD_SIZES
   value: {{ .Values.checkpoints.resumeAcrossWorldSizes | toJson | quote }}
+# Who owns the checkpoints: the train package records it in every checkpoint and refuses another release's.
+- name: DS_RELEASE
+  value: {{ include "deepspeed-training.checkpointSubPath" . | quote }}
+{{- with .Values.checkpoints.resumeFrom }}
+- name: DS_RESUME_FROM_DIR
+  value: {{ include "deepspeed-training.resumeFromDir" $ | quote }}
+- name: DS_RESUME_FROM_RELEASE
+  value: {{ . | quote }}
+{{- end }}
 - name: DS_KILL_GRACE_SECONDS
   value: {{ include "deepspeed-training.killGraceSeconds" . | quote }}
 - name: DS_WORLD_SIZE
@@ -334,23 +343,80 @@ collective). Inside the pod's /tmp emptyDir.
 
 {{/*
 The ds_config the pods get, as JSON: deepspeed.config (or files/ds_config.default.json) as given, and with
-launcher.autotuning its `autotuning` section switched on, writing to the checkpoint volume (the user's keys
-kept; `overwrite: false` so a retried tuning keeps the experiments already done).
+launcher.autotuning its `autotuning` section switched on, writing under the release's checkpoint directory
+(the user's search-space keys kept; `overwrite: false` unless set, so a retried tuning keeps the experiments
+already done).
 */}}
 {{- define "deepspeed-training.dsConfig" -}}
 {{- $config := deepCopy (.Values.deepspeed.config | default (.Files.Get "files/ds_config.default.json" | fromJson)) }}
 {{- if .Values.launcher.autotuning }}
 {{- $dir := printf "%s/autotuning" (clean .Values.checkpoints.mountPath) }}
-{{- $defaults := dict "results_dir" (printf "%s/results" $dir) "exps_dir" (printf "%s/exps" $dir) "overwrite" false }}
-{{- $_ := set $config "autotuning" (merge (dict "enabled" true) (deepCopy ($config.autotuning | default dict)) $defaults) }}
+{{- /* The chart's keys win: the tuner deletes exps_dir at start with overwrite, so it stays in the release's
+       own directory (validateDsConfig refuses these keys in the values). */}}
+{{- $pinned := dict "enabled" true "results_dir" (printf "%s/results" $dir) "exps_dir" (printf "%s/exps" $dir) }}
+{{- $_ := set $config "autotuning" (merge $pinned (deepCopy ($config.autotuning | default dict)) (dict "overwrite" false)) }}
 {{- end }}
 {{- toJson $config }}
+{{- end }}
+
+{{/*
+The release's own directory on a shared checkpoint claim: "<namespace>/<release>". The claim is mounted with
+this subPath, so a pod sees its release's checkpoints and nothing else on the claim (NFS-style volumes span
+namespaces, so the namespace is part of it). The kubelet creates the directory (with the claim root's mode).
+*/}}
+{{- define "deepspeed-training.checkpointSubPath" -}}
+{{- printf "%s/%s" .Release.Namespace .Release.Name }}
+{{- end }}
+
+{{/* Where another release's directory is mounted read-only when checkpoints.resumeFrom names it. */}}
+{{- define "deepspeed-training.resumeFromDir" -}}/etc/deepspeed/resume-from{{- end }}
+
+{{/* The checkpoint volumes of a pod (workers; the launcher when it runs the autotuner). A per-worker PVC
+(checkpoints.volumeClaimSpec) comes from the StatefulSet's volumeClaimTemplates instead. */}}
+{{- define "deepspeed-training.checkpointVolumes" -}}
+{{- if .Values.checkpoints.existingClaim }}
+- name: checkpoints
+  persistentVolumeClaim:
+    claimName: {{ .Values.checkpoints.existingClaim | quote }}
+{{- else if not .Values.checkpoints.volumeClaimSpec }}
+- name: checkpoints
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{- define "deepspeed-training.checkpointVolumeMounts" -}}
+- name: checkpoints
+  mountPath: {{ .Values.checkpoints.mountPath | quote }}
+  {{- if .Values.checkpoints.existingClaim }}
+  subPath: {{ include "deepspeed-training.checkpointSubPath" . | quote }}
+  {{- end }}
+{{- with .Values.checkpoints.resumeFrom }}
+- name: checkpoints
+  mountPath: {{ include "deepspeed-training.resumeFromDir" $ | quote }}
+  subPath: {{ . | quote }}
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{/* Paths the chart gives the program: placeholders in `train.args`, and env on every rank (commonEnv). */}}
 {{- define "deepspeed-training.programPaths" -}}
 {{- $configDir := include "deepspeed-training.configDir" . }}
 {{- dict "ds_config" (printf "%s/ds_config.json" $configDir) "train_config" (printf "%s/train_config.json" $configDir) "checkpoint_dir" .Values.checkpoints.mountPath "data_dir" .Values.data.mountPath | toJson }}
+{{- end }}
+
+{{/*
+The arguments that give the program the chart's paths, in its convention (train.argsConvention), as a JSON
+list. The options among them are the chart's: validateProgram refuses them (and their abbreviations) in
+train.args, where argparse's last occurrence would win.
+*/}}
+{{- define "deepspeed-training.conventionArgs" -}}
+{{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
+{{- $convention := dict
+  "train" (list (printf "--ds-config=%s" $paths.ds_config) (printf "--config=%s" $paths.train_config) (printf "--checkpoint-dir=%s" $paths.checkpoint_dir))
+  "huggingface" (list "--deepspeed" $paths.ds_config "--output_dir" $paths.checkpoint_dir)
+  "deepspeed" (list "--deepspeed" "--deepspeed_config" $paths.ds_config)
+  "none" list }}
+{{- get $convention .Values.train.argsConvention | toJson }}
 {{- end }}
 
 {{/*
@@ -362,12 +428,7 @@ chart's paths in the program's convention (train.argsConvention), then train.arg
 {{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
 {{- $train := .Values.train }}
 {{- $command := ternary (list $train.script) (list "--module" $train.module) (ne $train.script "") }}
-{{- $convention := dict
-  "train" (list (printf "--ds-config=%s" $paths.ds_config) (printf "--config=%s" $paths.train_config) (printf "--checkpoint-dir=%s" $paths.checkpoint_dir))
-  "huggingface" (list "--deepspeed" $paths.ds_config "--output_dir" $paths.checkpoint_dir)
-  "deepspeed" (list "--deepspeed" "--deepspeed_config" $paths.ds_config)
-  "none" list }}
-{{- $command = concat $command (get $convention $train.argsConvention) }}
+{{- $command = concat $command (include "deepspeed-training.conventionArgs" . | fromJsonArray) }}
 {{- range $train.args }}
 {{- $arg := . }}
 {{- range $name, $path := $paths }}

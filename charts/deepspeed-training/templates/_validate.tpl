@@ -95,7 +95,7 @@ Env names the chart or DeepSpeed's launcher sets (a user value would override th
 overridden by them), and those that make the ranks' shells run code or parse commands differently.
 */}}
 {{- define "deepspeed-training.reservedEnvNames" -}}
-{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_RESUME_ACROSS_WORLD_SIZES" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
+{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_RELEASE" "DS_RESUME_FROM_DIR" "DS_RESUME_FROM_RELEASE" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_AUTOTUNING_RESULTS" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_RESUME_ACROSS_WORLD_SIZES" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
 {{- end }}
 
 {{- define "deepspeed-training.validateEnv" -}}
@@ -145,7 +145,11 @@ overridden by them), and those that make the ranks' shells run code or parse com
 {{- if not (hasKey $volumes $m.name) }}
 {{- fail (printf "worker.extraVolumeMounts[%d]: no volume named %q (add it to worker.extraVolumes)" $i $m.name) }}
 {{- end }}
+{{- if eq (get $volumes $m.name) "(chart)" }}
+{{- fail (printf "worker.extraVolumeMounts[%d]: %q is a volume the chart mounts itself (a second mount of checkpoints would show the whole claim, not the release's own directory); mount only worker.extraVolumes" $i $m.name) }}
 {{- end }}
+{{- end }}
+{{- include "deepspeed-training.validateCheckpointClaim" . }}
 {{- range $paths }}
 {{- $path := clean (index . 1) }}
 {{- if and (not (hasPrefix "(chart)" (index . 0))) (regexMatch "^/(etc|usr|bin|sbin|lib|lib32|lib64|libx32|proc|sys|dev|run|var/run|boot|opt/venv)(/|$)|^/(opt|var)$" $path) }}
@@ -155,6 +159,33 @@ overridden by them), and those that make the ranks' shells run code or parse com
 {{- fail (printf "%s and %s both mount at %s; each mount needs its own path" (get $mounts $path) (index . 0) $path) }}
 {{- end }}
 {{- $_ := set $mounts $path (index . 0) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The checkpoint claim is shared by releases: it is mounted only at the release's own directory (subPath), so no
+other value may mount it, and another release's directory only read-only through checkpoints.resumeFrom.
+*/}}
+{{- define "deepspeed-training.validateCheckpointClaim" -}}
+{{- $claim := .Values.checkpoints.existingClaim }}
+{{- if and $claim (eq .Values.data.existingClaim $claim) }}
+{{- fail (printf "data.existingClaim: %q is the checkpoint claim (checkpoints.existingClaim), which releases share: a pod mounts only its release's directory of it" $claim) }}
+{{- end }}
+{{- range $i, $v := .Values.worker.extraVolumes }}
+{{- if and $claim $v.persistentVolumeClaim (eq (toString $v.persistentVolumeClaim.claimName) $claim) }}
+{{- fail (printf "worker.extraVolumes[%d] (%s): %q is the checkpoint claim (checkpoints.existingClaim), which releases share: a pod mounts only its release's directory of it" $i $v.name $claim) }}
+{{- end }}
+{{- end }}
+{{- with .Values.checkpoints.resumeFrom }}
+{{- if not $claim }}
+{{- fail (printf "checkpoints.resumeFrom %q names a release's directory on the checkpoint claim: set checkpoints.existingClaim (the claim both releases use)" .) }}
+{{- end }}
+{{- if eq . (include "deepspeed-training.checkpointSubPath" $) }}
+{{- fail (printf "checkpoints.resumeFrom %q is this release's own directory, which it resumes anyway; leave it empty" .) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.launcher.autotuning (not $claim) }}
+{{- fail "launcher.autotuning: the autotuner in the launcher pod reads the results that the ranks write on the workers; set checkpoints.existingClaim (a ReadWriteMany PVC the launcher mounts too)" }}
 {{- end }}
 {{- end }}
 
@@ -186,10 +217,35 @@ them (a later duplicate key would win and move a pod out of its release or into 
 {{- end }}
 {{- end }}
 
-{{/* The program and the runner flags reach the remote shell (see shellSafe). */}}
+{{/*
+The program and the runner flags reach the remote shell (see shellSafe). Which ds_config runs and where
+checkpoints go are the chart's: train.args may not repeat the convention's options (argparse takes the last
+occurrence and any unambiguous abbreviation; DeepSpeed's parser also reads its old --deepscale names), nor may
+the train config name its own paths.
+*/}}
 {{- define "deepspeed-training.validateProgram" -}}
+{{- $owned := list }}
+{{- range include "deepspeed-training.conventionArgs" . | fromJsonArray }}
+{{- if hasPrefix "--" . }}{{ $owned = append $owned (regexReplaceAll "=.*$" . "") }}{{ end }}
+{{- end }}
+{{- if has "--deepspeed_config" $owned }}{{ $owned = concat $owned (list "--deepscale" "--deepscale_config") }}{{ end }}
 {{- range $i, $arg := .Values.train.args }}
 {{- include "deepspeed-training.shellSafe" (dict "key" (printf "train.args[%d]" $i) "value" (regexReplaceAll "\\{(ds_config|train_config|checkpoint_dir|data_dir)\\}" $arg "") "context" "bare") }}
+{{- $name := regexReplaceAll "=.*$" $arg "" }}
+{{- if and (hasPrefix "--" $name) (gt (len $name) 2) }}
+{{- range $owned }}
+{{- if hasPrefix $name . }}
+{{- fail (printf "train.args[%d]: %q would replace %s, which the chart passes for train.argsConvention %q (argparse takes the last occurrence and abbreviations): the ds_config is deepspeed.config and the checkpoint dir is the release's own (checkpoints.mountPath); remove it" $i $arg . $.Values.train.argsConvention) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (eq .Values.train.argsConvention "train") (kindIs "map" .Values.train.config) }}
+{{- range $key := list "checkpoint_dir" "ds_config" }}
+{{- if hasKey $.Values.train.config $key }}
+{{- fail (printf "train.config.%s: set by the chart (--%s=%s, which would override it): the ds_config is deepspeed.config and the checkpoint dir is the release's own (checkpoints.mountPath); remove the key" $key (replace "_" "-" $key) (get (include "deepspeed-training.programPaths" $ | fromJson) $key)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- include "deepspeed-training.shellSafe" (dict "key" "train.script" "value" .Values.train.script "context" "bare") }}
 {{- $allowed := include "deepspeed-training.userRunnerFlags" . | fromJson }}
@@ -225,6 +281,13 @@ rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agr
 {{- if $config }}
 {{- if not (toJson $config) }}
 {{- fail "deepspeed.config: cannot be written as JSON (NaN or Infinity?): use plain numbers" }}
+{{- end }}
+{{- with $config.autotuning }}
+{{- range $key := list "enabled" "results_dir" "exps_dir" "metric_path" "model_info_path" }}
+{{- if and (kindIs "map" $.Values.deepspeed.config.autotuning) (hasKey $.Values.deepspeed.config.autotuning $key) }}
+{{- fail (printf "deepspeed.config.autotuning.%s: set by the chart (launcher.autotuning switches the tuner on; its files stay in the release's checkpoint directory, since it deletes exps_dir at start with overwrite); remove the key" $key) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- $known := include "deepspeed-training.dsConfigKeys" . | fromJsonArray }}
 {{- range $key, $_ := $config }}
@@ -358,7 +421,9 @@ worker.extraVolumes[{{ $i }}] ({{ $v.name }}): a projected service-account token
 {{- end }}
 {{- end }}
 {{- range $type, $_ := omit $v "name" }}
-{{- if not (has $type (list "configMap" "csi" "downwardAPI" "emptyDir" "ephemeral" "persistentVolumeClaim" "projected" "secret")) }}
+{{- if has $type (list "csi" "ephemeral" "persistentVolumeClaim") }}
+worker.extraVolumes[{{ $i }}] ({{ $v.name }}): {{ $type }} volume (storage the chart does not scope to the release)
+{{- else if not (has $type (list "configMap" "downwardAPI" "emptyDir" "projected" "secret")) }}
 worker.extraVolumes[{{ $i }}] ({{ $v.name }}): {{ $type }} volume
 {{- end }}
 {{- end }}

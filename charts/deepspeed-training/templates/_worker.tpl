@@ -127,8 +127,7 @@ spec:
         {{- include "deepspeed-training.commonVolumeMounts" . | nindent 8 }}
         - name: dshm
           mountPath: /dev/shm
-        - name: checkpoints
-          mountPath: {{ .Values.checkpoints.mountPath | quote }}
+        {{- include "deepspeed-training.checkpointVolumeMounts" . | nindent 8 }}
         {{- if .Values.data.existingClaim }}
         - name: data
           mountPath: {{ .Values.data.mountPath | quote }}
@@ -149,14 +148,7 @@ spec:
         claimName: {{ . | quote }}
         readOnly: true
     {{- end }}
-    {{- if .Values.checkpoints.existingClaim }}
-    - name: checkpoints
-      persistentVolumeClaim:
-        claimName: {{ .Values.checkpoints.existingClaim | quote }}
-    {{- else if not .Values.checkpoints.volumeClaimSpec }}
-    - name: checkpoints
-      emptyDir: {}
-    {{- end }}
+    {{- with include "deepspeed-training.checkpointVolumes" . }}{{ . | nindent 4 }}{{- end }}
     {{- with .Values.worker.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
