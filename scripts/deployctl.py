@@ -147,7 +147,47 @@ PLATFORM_ONLY = {
     ("chart", "allowSecurityRelaxations"): "relaxed security (per project: deploy.relaxSecurityFor)",
     ("chart", "serviceAccount"): "the pods' ServiceAccount (its token and cloud identity)",
     ("chart", "checkpoints", "resumeAcrossWorldSizes"): "whether a job may resume on another world size",
+    ("chart", "checkpoints", "resumeFrom"): "starting from another release's checkpoints (per project: "
+                                            "deploy.projectResumeFrom)",
+    ("deploy", "projectResumeFrom"): "the releases whose checkpoints a project may start from",
+    ("deploy", "projectChoices"): "what projects may change in their pods' scheduling, identity and checkpoints",
 }
+MISSING = object()  # a key path that holds no value
+
+
+def lookup(values, path: tuple):
+    for part in path:
+        if not isinstance(values, dict) or part not in values:
+            return MISSING
+        values = values[part]
+    return values
+
+
+def platform_view(merged: dict) -> dict:
+    """What a layering means where the platform pins keys: deploy as set, chart as Helm sees it (the chart's
+    defaults under it, nulls removing them)."""
+    chart = copy.deepcopy(CHART_DEFAULTS)
+    merge(chart, merged.get("chart") if isinstance(merged.get("chart"), dict) else {}, {}, "")
+    deploy = merged.get("deploy") if isinstance(merged.get("deploy"), dict) else {}
+    return {"deploy": without_nulls(deploy), "chart": without_nulls(chart)}
+
+
+def layer_order(name: str) -> tuple:
+    """Sorts layer files as they apply: a project's values.yaml before its <env>.yaml."""
+    return (name.startswith("values/projects/"), name.endswith("/values.yaml") is False, name)
+
+
+def check_platform_only(merged: dict, platform: dict, origin: dict, env: str) -> None:
+    """The platform-only keys hold the platform's values however the project's layers got there: directly, or
+    through a parent set to null (or replaced) and rebuilt without them."""
+    ours, theirs = platform_view(merged), platform_view(platform)
+    for key_path, what in PLATFORM_ONLY.items():
+        if lookup(ours, key_path) != lookup(theirs, key_path):
+            touched = [origin[key_path[:n]] for n in range(1, len(key_path) + 1) if key_path[:n] in origin]
+            blamed = [f for f in touched if f.startswith("values/projects/")] or touched
+            raise DeployError(f"{max(blamed, key=layer_order)}: {'.'.join(key_path)}: {what} is the platform's to set, "
+                              f"in values/{env}.yaml or values/base.yaml; a project's layers may not change or "
+                              "remove it (here through a parent key set to null or replaced)")
 
 
 def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
@@ -159,6 +199,8 @@ def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
         layer = load_yaml(path)
         name = str(path.relative_to(ROOT))
         if path.parent != VALUES:
+            if path == files[2]:  # the platform's layers end here
+                platform = copy.deepcopy(settings)
             for key_path, what in PLATFORM_ONLY.items():
                 node = layer
                 for part in key_path[:-1]:
@@ -167,6 +209,8 @@ def load_layers(env: str, project: str | None) -> tuple[dict, dict, list[str]]:
                     raise DeployError(f"{name}: {'.'.join(key_path)}: {what} is the platform's to set, in "
                                       f"values/{env}.yaml or values/base.yaml, never in a project's files")
         merge(settings, layer, origin, name)
+    if project:
+        check_platform_only(settings, platform, origin, env)
     return settings, origin, [str(p.relative_to(ROOT)) for p in files]
 
 
@@ -314,6 +358,9 @@ def build(env: str, project: str | None) -> Rendered:
     if project and project in settings["deploy"].get("relaxSecurityFor", []):  # the platform's per-project opt-in
         merged["chart"]["allowSecurityRelaxations"] = True
         origin[("chart", "allowSecurityRelaxations")] = source_of(origin, ("deploy", "relaxSecurityFor"))
+    if project in settings["deploy"].get("projectResumeFrom", {}):  # the platform's per-project opt-in
+        merged["chart"].setdefault("checkpoints", {})["resumeFrom"] = settings["deploy"]["projectResumeFrom"][project]
+        origin[("chart", "checkpoints", "resumeFrom")] = source_of(origin, ("deploy", "projectResumeFrom"))
     effective = check_chart_values(merged["chart"], origin)
     world_size = effective["worker"]["replicas"] * effective["worker"]["gpusPerWorker"]
     train_config = effective["train"]["config"]
@@ -442,6 +489,89 @@ def security_relaxations(manifests: str) -> list[str]:
     return [item for item in text.split("; ") if item]
 
 
+# What the platform's layers decide in the rendered objects, whichever values produce it (a component's own
+# value, the global fallback, a parent set to null): name -> (what it is, the chart keys that feed it). A
+# project's render may differ from the platform's alone only where deploy.projectChoices lists its value.
+PLACEMENT = ("global", "worker", "launcher")  # a component's own value, else the global one
+PINNED_FIELDS = {
+    "serviceAccount": ("ServiceAccount (name and annotations: the pods' token and cloud identity)",
+                       [("serviceAccount",)]),
+    "priorityClassName": ("PriorityClass (preemption of other tenants)", [(c, "priorityClassName") for c in PLACEMENT]),
+    "nodeSelector": ("nodeSelector (the node pool)", [(c, "nodeSelector") for c in PLACEMENT]),
+    "tolerations": ("tolerations (tainted nodes)", [(c, "tolerations") for c in PLACEMENT]),
+    "affinity": ("affinity (the node pool)", [(c, "affinity") for c in PLACEMENT]),
+    "schedulerName": ("scheduler", [("scheduling",)]),
+    "kueueQueueName": ("Kueue queue (admission and quota)", [("scheduling",)]),
+    "volcanoQueue": ("Volcano queue", [("scheduling",)]),
+    "checkpointVolume": ("checkpoint volume (claim and directory)", [("checkpoints",)]),
+}
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def pinned_fields(manifests: str) -> dict[str, dict]:
+    """{component: {field: value}} of PINNED_FIELDS for the worker and launcher pods of a render."""
+    docs = [doc for doc in yaml.safe_load_all(manifests) if doc]
+    accounts = {d["metadata"]["name"]: d["metadata"].get("annotations", {}) for d in docs
+                if d["kind"] == "ServiceAccount"}
+    volcano = [d["spec"].get("queue", "") for d in docs
+               if d["kind"] == "PodGroup" and d["apiVersion"].startswith("scheduling.volcano.sh/")]
+    found = {}
+    for doc in docs:
+        if doc["kind"] not in ("StatefulSet", "Job"):
+            continue
+        template, spec = doc["spec"]["template"], doc["spec"]["template"]["spec"]
+        component = template["metadata"]["labels"]["app.kubernetes.io/component"]
+        account = spec.get("serviceAccountName", "default")
+        fields = {
+            "serviceAccount": {"name": account, "annotations": accounts.get(account, {})},
+            **{name: spec.get(name, empty) for name, empty in (("priorityClassName", ""), ("nodeSelector", {}),
+                                                               ("tolerations", []), ("affinity", {}),
+                                                               ("schedulerName", ""))},
+            "kueueQueueName": template["metadata"]["labels"].get(QUEUE_LABEL, ""),
+            "volcanoQueue": volcano[0] if volcano else "",
+        }
+        if component == "worker":  # the launcher mounts checkpoints only for the autotuner
+            volume = next((v for v in spec.get("volumes", []) if v["name"] == "checkpoints"), {})
+            mount = next((m for m in spec["containers"][0].get("volumeMounts", []) if m["name"] == "checkpoints"), {})
+            fields["checkpointVolume"] = {
+                "source": (volume.get("persistentVolumeClaim") or {}).get("claimName") or
+                ("emptyDir" if "emptyDir" in volume else "a PVC per worker"), "subPath": mount.get("subPath", "")}
+        found[component] = fields
+    return found
+
+
+def check_pins(r: Rendered, manifests: str) -> None:
+    """A project's layers may not move its pods off what the platform's layers pinned (scheduling, identity,
+    checkpoint volume), by any path: its render is compared with a render of the platform's layers alone."""
+    try:
+        platform = build(r.env, None)
+    except DeployError as err:
+        raise DeployError(f"the platform's layers alone do not render, so what the project may change cannot be "
+                          f"checked: {err}") from None
+    platform.out = r.out / "platform"
+    write(platform)
+    ours, theirs = pinned_fields(manifests), pinned_fields(helm_template(platform, release_name(r),
+                                                                         r.settings["deploy"]["namespace"]))
+    choices = r.settings["deploy"].get("projectChoices", {})
+    project_files = [f for f in r.sources if f.startswith("values/projects/")]
+    for component, fields in ours.items():
+        base = theirs.get(component) or theirs["worker"]  # a launcher the platform's own mode has not
+        for name, value in fields.items():
+            if value == base.get(name, value) or value in choices.get(name, []):
+                continue
+            what, keys = PINNED_FIELDS[name]
+            feeding = [("chart", *key) for key in keys]
+            files = sorted({source for path, source in r.origin.items() if source in project_files and any(
+                path[:len(key)] == key or key[:len(path)] == path for key in feeding)}) or project_files
+            allowed = choices.get(name, [])
+            raise DeployError(
+                f"{', '.join(files)}: the {component} pods' {what} would be {json.dumps(value)}, but the platform's "
+                f"layers (values/{r.env}.yaml, values/base.yaml) give {json.dumps(base[name])}; a project may change "
+                f"it only to a value the platform lists in deploy.projectChoices.{name} "
+                f"({', '.join(json.dumps(a) for a in allowed) if allowed else 'none listed'}); set through "
+                f"{', '.join('chart.' + '.'.join(key) for key in keys)}")
+
+
 def plan(r: Rendered, context: str | None, manifests: str) -> str:
     batch = ["auto (filled by the program)" if n is None else n for n in r.batch]
     zero = r.ds_config.get("zero_optimization", {})
@@ -539,10 +669,11 @@ def blame_chart_error(r: Rendered, stderr: str) -> str:
     return f" ({', '.join(named)})" if named else ""
 
 
-def helm_template(r: Rendered) -> str:
-    """The manifests Helm would apply (the chart's own checks run here too)."""
-    cmd = [helm(), "template", release_name(r), str(CHART), "-f", str(r.out / "values.yaml"),
-           *helm_args(r, None)]
+def helm_template(r: Rendered, release: str | None = None, namespace: str | None = None) -> str:
+    """The manifests Helm would apply (the chart's own checks run here too); `r` as another release would
+    render it."""
+    cmd = [helm(), "template", release or release_name(r), str(CHART), "-f", str(r.out / "values.yaml"),
+           "--namespace", namespace or r.settings["deploy"]["namespace"]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         where = f"{r.out.relative_to(ROOT)}/values.yaml{blame_chart_error(r, proc.stderr)}"
@@ -627,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rendered {r.out.relative_to(ROOT)}/values.yaml, ds_config.json, train_config.json")
             return 0
         manifests = helm_template(r)  # the chart's own checks, before any plan, demo or cluster command
+        if args.project:
+            check_pins(r, manifests)
         if args.command == "demo":
             return demo(r, manifests)
         if args.command == "template":
