@@ -6,7 +6,7 @@
    start barrier, then `deepspeed --no_ssh` per pod), against bare `deepspeed --no_ssh` started directly on
    each host with the same hostfile and program (no entrypoint scripts, no SSH, no barrier). Goal: <= 1.1x bare.
 2. Fault drill, both modes: SIGKILL one rank of worker 1 mid-run and measure the time from the kill to the
-   first optimizer step of the retry (in-pod retry: launcher.runRetries), the steps lost, and the pods
+   first optimizer step of the retry (in-pod retry: job.runRetries), the steps lost, and the pods
    recreated (none: the cost does not grow with the number of workers). Goal: <= 15 s on 2 hosts.
 
     sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 2]
@@ -38,7 +38,7 @@ def values(extensions: Path, mode: str, **train) -> dict:
     v = e2e_values(extensions, **train)
     v["train"]["module"] = "train"
     v["launchMode"] = mode
-    v["launcher"]["runRetries"] = 1
+    v["job"]["runRetries"] = 1
     return v
 
 

@@ -591,8 +591,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"data-parallel ranks = global {batch[2]}",
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
-        f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['launcher']['runRetries']} run "
-        f"retries in the pods, then {r.effective['launcher']['backoffLimit']} new pods (backoffLimit)",
+        f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['job']['runRetries']} run "
+        f"retries in the pods, then {r.effective['job']['backoffLimit']} new pods (backoffLimit)",
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),
     ]

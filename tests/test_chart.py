@@ -324,8 +324,8 @@ def test_gang_scheduling_hooks():
 
 
 def test_launcher_job_knobs():
-    _, job = workloads(render_chart({"launcher": {"backoffLimit": 1, "activeDeadlineSeconds": 3600,
-                                                  "ttlSecondsAfterFinished": 0, "waitTimeoutSeconds": 42}}))
+    _, job = workloads(render_chart({"job": {"backoffLimit": 1, "activeDeadlineSeconds": 3600,
+                                             "ttlSecondsAfterFinished": 0, "waitTimeoutSeconds": 42}}))
     assert job["spec"]["backoffLimit"] == 1
     assert job["spec"]["activeDeadlineSeconds"] == 3600
     assert job["spec"]["ttlSecondsAfterFinished"] == 0
@@ -394,8 +394,8 @@ BAD_VALUES = {
     "env without value": ({"env": [{"name": "A"}]}, "env"),
     "env with bad name": ({"env": [{"name": "A-B", "value": "x"}]}, "name"),
     "relative checkpoint path": ({"checkpoints": {"mountPath": "ckpt"}}, "mountPath"),
-    "negative backoff": ({"launcher": {"backoffLimit": -1}}, "backoffLimit"),
-    "zero wait timeout": ({"launcher": {"waitTimeoutSeconds": 0}}, "waitTimeoutSeconds"),
+    "negative backoff": ({"job": {"backoffLimit": -1}}, "backoffLimit"),
+    "zero wait timeout": ({"job": {"waitTimeoutSeconds": 0}}, "waitTimeoutSeconds"),
     "train args not a list": ({"train": {"args": "--steps 5"}}, "args"),
     "bad module name": ({"train": {"module": "my train"}}, "module"),
 }

@@ -112,7 +112,7 @@ BAD = {
     "too many GPUs per worker": ({"worker": {"gpusPerWorker": 1000}}, ["gpusPerWorker"]),
     "replicas as a string": ({"worker": {"replicas": "2"}}, ["replicas"]),
     "config past the ConfigMap's 1 MiB": ({"train": {"config": {"notes": "x" * 1_100_000}}}, ["1 MiB"]),
-    "zero deadline": ({"launcher": {"activeDeadlineSeconds": 0}}, ["activeDeadlineSeconds"]),
+    "zero deadline": ({"job": {"activeDeadlineSeconds": 0}}, ["activeDeadlineSeconds"]),
     "grace as a string": ({"worker": {"terminationGracePeriodSeconds": "120"}}, ["terminationGracePeriodSeconds"]),
     "cpu request that is no quantity": ({"worker": {"resources": {"requests": {"cpu": "1; rm"}}}}, ["cpu"]),
     "toleration with an unknown effect": ({"worker": {"tolerations": [{"key": "gpu", "effect": "Sometimes"}]}},
@@ -167,28 +167,28 @@ BAD = {
     "unmasked proc": ({"securityContext": {"procMount": "Unmasked"}}, ["procMount"]),
     "host fields are not values": ({"worker": {"hostNetwork": True}}, ["hostNetwork"]),
     # What reaches the remote shell
-    "runner flag the chart owns": ({"launcher": {"deepspeedArgs": ["--master_addr=evil"]}},
-                                   ["launcher.deepspeedArgs[0]", "--master_addr"]),
-    "venv_script becomes `source X`": ({"launcher": {"deepspeedArgs": ["--venv_script=/tmp/x"]}},
-                                       ["launcher.deepspeedArgs[0]"]),
-    "launcher_args": ({"launcher": {"deepspeedArgs": ["--launcher_args=-R ssh"]}}, ["launcher.deepspeedArgs[0]"]),
-    "allowed flag with a shell value": ({"launcher": {"deepspeedArgs": ["--enable_each_rank_log=/x$(id)"]}},
-                                        ["launcher.deepspeedArgs[0]"]),
-    "runner flag in a form DeepSpeed refuses": ({"launcher": {"deepspeedArgs": ["--log_level=verbose"]}},
-                                                ["launcher.deepspeedArgs[0]", "expected the form"]),
-    "bare flag given a value": ({"launcher": {"deepspeedArgs": ["--bind_cores_to_rank=yes"]}},
-                                ["launcher.deepspeedArgs[0]"]),
-    "flag missing its value": ({"launcher": {"deepspeedArgs": ["--enable_each_rank_log"]}},
-                               ["launcher.deepspeedArgs[0]"]),
+    "runner flag the chart owns": ({"deepspeed": {"runnerArgs": ["--master_addr=evil"]}},
+                                   ["deepspeed.runnerArgs[0]", "--master_addr"]),
+    "venv_script becomes `source X`": ({"deepspeed": {"runnerArgs": ["--venv_script=/tmp/x"]}},
+                                       ["deepspeed.runnerArgs[0]"]),
+    "launcher_args": ({"deepspeed": {"runnerArgs": ["--launcher_args=-R ssh"]}}, ["deepspeed.runnerArgs[0]"]),
+    "allowed flag with a shell value": ({"deepspeed": {"runnerArgs": ["--enable_each_rank_log=/x$(id)"]}},
+                                        ["deepspeed.runnerArgs[0]"]),
+    "runner flag in a form DeepSpeed refuses": ({"deepspeed": {"runnerArgs": ["--log_level=verbose"]}},
+                                                ["deepspeed.runnerArgs[0]", "expected the form"]),
+    "bare flag given a value": ({"deepspeed": {"runnerArgs": ["--bind_cores_to_rank=yes"]}},
+                                ["deepspeed.runnerArgs[0]"]),
+    "flag missing its value": ({"deepspeed": {"runnerArgs": ["--enable_each_rank_log"]}},
+                               ["deepspeed.runnerArgs[0]"]),
     "container may run as root": ({"securityContext": {"runAsNonRoot": False}}, ["securityContext.runAsNonRoot",
                                                                                   OPT_IN]),
     "projected service-account token": ({"worker": {"extraVolumes": [{"name": "tok", "projected": {"sources": [
         {"serviceAccountToken": {"audience": "sts.amazonaws.com", "path": "token"}}]}}]}},
         ["service-account token", OPT_IN]),
     "checkpoints over /opt": ({"checkpoints": {"mountPath": "/opt"}}, ["checkpoints.mountPath", "/opt"]),
-    "runner flag that shrinks the world": ({"launcher": {"deepspeedArgs": ["--num_gpus=1"]}},
-                                           ["launcher.deepspeedArgs[0]", "--num_gpus"]),
-    "runner arg that is no flag": ({"launcher": {"deepspeedArgs": ["rm"]}}, ["deepspeedArgs"]),
+    "runner flag that shrinks the world": ({"deepspeed": {"runnerArgs": ["--num_gpus=1"]}},
+                                           ["deepspeed.runnerArgs[0]", "--num_gpus"]),
+    "runner arg that is no flag": ({"deepspeed": {"runnerArgs": ["rm"]}}, ["runnerArgs"]),
     "script with a shell": ({"train": {"script": "/code/train.py;id"}}, ["script"]),
     "relative script": ({"train": {"script": "train.py"}}, ["script"]),
     "module with a shell": ({"train": {"module": "train;id"}}, ["module"]),
@@ -322,7 +322,7 @@ def shape(docs: list[dict]) -> list[tuple]:
 def test_every_string_slot_of_values_yaml_is_covered():
     paths = {".".join(p) for p, _ in SLOTS}
     for key in ("checkpoints.existingClaim", "image.tag", "scheduling.schedulerName", "worker.podLabels",
-                "env", "train.args", "launcher.deepspeedArgs", "nameOverride", "serviceAccount.name"):
+                "env", "train.args", "deepspeed.runnerArgs", "nameOverride", "serviceAccount.name"):
         assert key in paths, sorted(paths)
     assert len(SLOTS) >= 40
 
@@ -388,4 +388,4 @@ def test_every_runner_flag_values_may_set_parses_in_deepspeeds_runner_in_the_all
         arg = RUNNER_EXAMPLES[flag]
         assert re.fullmatch(pattern, arg), (pattern, arg)
         assert runner.parse_args([arg, "prog.py"]).user_script == "prog.py", flag
-        render_chart({"launcher": {"deepspeedArgs": [arg]}})
+        render_chart({"deepspeed": {"runnerArgs": [arg]}})

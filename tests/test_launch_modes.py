@@ -91,7 +91,7 @@ def test_the_ssh_launcher_waits_for_the_current_worker_template():
     assert env_of(sts)["DS_WORKER_TEMPLATE"] == env_of(job)["DS_WORKER_TEMPLATE"]
     # A change to the workers changes the hash; one to the launcher alone does not.
     worker_change = render_chart({"worker": {"shmSize": "2Gi"}})
-    launcher_change = render_chart({"launcher": {"waitTimeoutSeconds": 30}})
+    launcher_change = render_chart({"job": {"waitTimeoutSeconds": 30}})
     assert env_of(one(worker_change, "Job"))["DS_WORKER_TEMPLATE"] != env_of(job)["DS_WORKER_TEMPLATE"]
     assert env_of(one(launcher_change, "Job"))["DS_WORKER_TEMPLATE"] == env_of(job)["DS_WORKER_TEMPLATE"]
 

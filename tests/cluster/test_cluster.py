@@ -162,7 +162,7 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
 def test_a_killed_rank_fails_the_attempt_and_the_jobs_retry_resumes(namespace, shared_claim):
     """runRetries 0: the launcher pod fails and the Job controller's next pod resumes."""
     install(namespace, steps=150, train_config={"checkpoint_every": 10}, checkpoints={"existingClaim": shared_claim},
-            launcher={"scaleDownWorkers": False, "runRetries": 0})
+            launcher={"scaleDownWorkers": False}, job={"runRetries": 0})
     wait_for(lambda: latest_checkpoint(namespace) >= "step_00000020", 300, "checkpoint 20",
              lambda: diagnose(namespace))
     worker_exec(namespace, 1, "pkill", "-KILL", "-f", "--", "--local_rank=")
@@ -183,7 +183,7 @@ def test_a_killed_rank_fails_the_attempt_and_the_jobs_retry_resumes(namespace, s
 def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resumes(namespace, shared_claim):
     # No periodic checkpoints: any checkpoint is the one the ranks wrote on SIGTERM.
     install(namespace, steps=100000, train_config={"checkpoint_every": 0}, checkpoints={"existingClaim": shared_claim},
-            launcher={"scaleDownWorkers": False, "backoffLimit": 2})
+            launcher={"scaleDownWorkers": False}, job={"backoffLimit": 2})
     wait_for(lambda: "INFO step 20/" in kubectl("logs", f"job/{LAUNCHER}", namespace=namespace, check=False), 300,
              "training to reach step 20", lambda: diagnose(namespace))
     first = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",

@@ -15,7 +15,7 @@ SECRET_VALUE = "s3cr3t-$(id)-`uname`"  # only the valueFrom channel may carry th
 def e2e_values(shared_dir: Path, workers: int = 2, steps: int = 40, **train) -> dict:
     return {
         "worker": {"replicas": workers, "gpusPerWorker": 1, "gpuResourceName": "", "terminationGracePeriodSeconds": 20},
-        "launcher": {"scaleDownWorkers": False, "waitTimeoutSeconds": 60},
+        "launcher": {"scaleDownWorkers": False}, "job": {"waitTimeoutSeconds": 60},
         "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
         "train": {"module": "tests.e2e.rank_probe",
                   "config": {"steps": steps, "log_every": 10, "checkpoint_every": 10, "dist_timeout_s": 20,

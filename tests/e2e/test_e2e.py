@@ -45,7 +45,7 @@ def test_the_rendered_chart_trains_across_hosts(shared_dir):
 
 def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared_dir):
     values = e2e_values(shared_dir)
-    values["launcher"]["waitTimeoutSeconds"] = 5
+    values["job"]["waitTimeoutSeconds"] = 5
     with Cluster(render(values)) as cluster:
         cluster.start_workers(1)
         launcher = cluster.pods_of("launcher")[0]
@@ -61,7 +61,7 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
 def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shared_dir):
     """runRetries 0: the launcher pod fails, and the Job's next pod resumes."""
     values = e2e_values(shared_dir, steps=120, log_every=10, checkpoint_every=20)
-    values["launcher"]["runRetries"] = 0
+    values["job"]["runRetries"] = 0
     docs = render(values)
     with Cluster(docs) as cluster:
         workers = cluster.start_workers()
@@ -112,7 +112,7 @@ def test_sigterm_to_the_launcher_stops_the_remote_ranks(shared_dir):
 def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(shared_dir):
     """runRetries: a killed rank fails the run; the same launcher pod clears the workers and runs again."""
     values = e2e_values(shared_dir, steps=100, log_every=10, checkpoint_every=20)
-    values["launcher"]["runRetries"] = 1
+    values["job"]["runRetries"] = 1
     with Cluster(render(values)) as cluster:
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]

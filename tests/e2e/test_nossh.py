@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REA
 def nossh_values(shared_dir, retries: int = 1, **train) -> dict:
     values = e2e_values(shared_dir, **train)
     values["launchMode"] = "nossh"
-    values["launcher"]["runRetries"] = retries
+    values["job"]["runRetries"] = retries
     return values
 
 

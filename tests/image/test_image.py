@@ -30,7 +30,7 @@ def test_the_image_runs_the_chart_pods():
     docs = render_chart({
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "worker": {"replicas": 2, "gpusPerWorker": 1, "gpuResourceName": ""},
-        "launcher": {"scaleDownWorkers": False, "waitTimeoutSeconds": 120},
+        "launcher": {"scaleDownWorkers": False}, "job": {"waitTimeoutSeconds": 120},
         "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
         "train": {"config": {"steps": 20, "log_every": 5, "checkpoint_every": 10,
                              "model": {"n_layer": 2, "d_model": 64, "seq_len": 32}}},

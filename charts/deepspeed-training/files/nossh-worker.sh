@@ -36,7 +36,7 @@ for ((attempt = 0; ; attempt++)); do
     log "status 2 is a configuration error (bad arguments or input files): not retried"
     exit 2
   elif ((attempt >= retries)); then
-    log "no retries left (launcher.runRetries=$retries); failing the pod"
+    log "no retries left (job.runRetries=$retries); failing the pod"
     exit "$rc"
   fi
   log "retry $((attempt + 1)) of $retries: meeting the other workers at the start barrier"

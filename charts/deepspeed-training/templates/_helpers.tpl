@@ -327,9 +327,9 @@ and the pod need to stop. */}}
 {{/* Env of the containers that run `deepspeed` (ssh: the launcher; nossh: every worker). */}}
 {{- define "deepspeed-training.launcherEnv" -}}
 - name: DS_WAIT_TIMEOUT_SECONDS
-  value: {{ .Values.launcher.waitTimeoutSeconds | int | quote }}
+  value: {{ .Values.job.waitTimeoutSeconds | int | quote }}
 - name: DS_RUN_RETRIES
-  value: {{ .Values.launcher.runRetries | int | quote }}
+  value: {{ .Values.job.runRetries | int | quote }}
 - name: PYTHONUNBUFFERED
   value: "1"
 {{- end }}
@@ -459,12 +459,12 @@ this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion inde
 {{- $command = concat $command (list
   (printf "--master_addr=%s" (include "deepspeed-training.workerHost" (dict "root" . "index" 0)))
   (printf "--master_port=%d" (int .Values.deepspeed.masterPort))) }}
-{{- toJson (concat $command .Values.launcher.deepspeedArgs (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
+{{- toJson (concat $command .Values.deepspeed.runnerArgs (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
 {{- end }}
 
 {{/* Job settings shared by the launcher Job (ssh) and the workers' Job (nossh). */}}
 {{- define "deepspeed-training.jobPolicy" -}}
-backoffLimit: {{ .Values.launcher.backoffLimit | int }}
+backoffLimit: {{ .Values.job.backoffLimit | int }}
 # A new pod starts only once the failed one is gone, so its clean-up cannot hit the next attempt's ranks.
 podReplacementPolicy: Failed
 podFailurePolicy:
@@ -479,10 +479,10 @@ podFailurePolicy:
       onExitCodes:
         operator: In
         values: [2]
-{{- with .Values.launcher.activeDeadlineSeconds }}
+{{- with .Values.job.activeDeadlineSeconds }}
 activeDeadlineSeconds: {{ . | int }}
 {{- end }}
-{{- if not (kindIs "invalid" .Values.launcher.ttlSecondsAfterFinished) }}
-ttlSecondsAfterFinished: {{ .Values.launcher.ttlSecondsAfterFinished | int }}
+{{- if not (kindIs "invalid" .Values.job.ttlSecondsAfterFinished) }}
+ttlSecondsAfterFinished: {{ .Values.job.ttlSecondsAfterFinished | int }}
 {{- end }}
 {{- end }}

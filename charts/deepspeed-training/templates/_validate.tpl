@@ -249,15 +249,15 @@ the train config name its own paths.
 {{- end }}
 {{- include "deepspeed-training.shellSafe" (dict "key" "train.script" "value" .Values.train.script "context" "bare") }}
 {{- $allowed := include "deepspeed-training.userRunnerFlags" . | fromJson }}
-{{- range $i, $arg := .Values.launcher.deepspeedArgs }}
+{{- range $i, $arg := .Values.deepspeed.runnerArgs }}
 {{- $flag := regexReplaceAll "=.*$" $arg "" }}
 {{- if not (hasKey $allowed $flag) }}
-{{- fail (printf "launcher.deepspeedArgs[%d]: %q is not a runner flag values may set; allowed: %s (the chart sets the hostfile, launcher, ports, master address and program itself)" $i $arg (keys $allowed | sortAlpha | join ", ")) }}
+{{- fail (printf "deepspeed.runnerArgs[%d]: %q is not a runner flag values may set; allowed: %s (the chart sets the hostfile, launcher, ports, master address and program itself)" $i $arg (keys $allowed | sortAlpha | join ", ")) }}
 {{- end }}
 {{- if not (regexMatch (get $allowed $flag) $arg) }}
-{{- fail (printf "launcher.deepspeedArgs[%d]: %q: expected the form %s" $i $arg (get $allowed $flag)) }}
+{{- fail (printf "deepspeed.runnerArgs[%d]: %q: expected the form %s" $i $arg (get $allowed $flag)) }}
 {{- end }}
-{{- include "deepspeed-training.shellSafe" (dict "key" (printf "launcher.deepspeedArgs[%d]" $i) "value" $arg "context" "bare") }}
+{{- include "deepspeed-training.shellSafe" (dict "key" (printf "deepspeed.runnerArgs[%d]" $i) "value" $arg "context" "bare") }}
 {{- end }}
 {{- end }}
 

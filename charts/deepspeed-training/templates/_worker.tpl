@@ -25,7 +25,7 @@ metadata:
     {{- end }}
 spec:
   {{- if $nossh }}
-  # A failed run is retried inside the pods (launcher.runRetries), then by a new pod (backoffLimit).
+  # A failed run is retried inside the pods (job.runRetries), then by a new pod (backoffLimit).
   restartPolicy: Never
   # With the headless Service: "<pod>.<service>" records for the hostfile and --master_addr.
   subdomain: {{ include "deepspeed-training.workerName" . | quote }}
