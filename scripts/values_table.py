@@ -19,12 +19,12 @@ KEY = re.compile(r"^(\s*)([A-Za-z0-9_]+):")
 
 
 def documented_keys(values_yaml: str) -> dict[str, str]:
-    """{'worker.replicas': 'Number of worker pods ...'} for every key preceded by a `# --` comment."""
+    """{'worker.replicas': 'Number of worker pods ...'} for every key preceded by a `# -- ` comment."""
     docs, stack, pending = {}, [], None
     for line in values_yaml.splitlines():
         stripped = line.strip()
-        if stripped.startswith("# --"):
-            pending = [stripped[4:].strip()]
+        if stripped.startswith("# -- "):  # helm-docs' marker has a space: `# --output_dir` is prose
+            pending = [stripped[5:].strip()]
         elif stripped.startswith("#") and pending is not None:
             pending.append(stripped[1:].strip())
         elif match := KEY.match(line):

@@ -48,3 +48,8 @@ def test_readme_values_table_is_generated_from_values_yaml():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "values_table.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_only_the_helm_docs_marker_starts_a_description():
+    docs = documented_keys("a:\n  # -- Flags: `--x` or\n  # --output_dir <dir>, in prose.\n  b: 1\n")
+    assert docs == {"a.b": "Flags: `--x` or --output_dir <dir>, in prose."}
