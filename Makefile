@@ -28,12 +28,19 @@ override WAIT := $(value WAIT)
 override REGISTRY := $(value REGISTRY)
 override PYTEST_ARGS := $(value PYTEST_ARGS)
 export ENV PROJECT KUBE_CONTEXT
+# A refused value as the error shows it: quoted, on one line. Never expanded again (make expands a reference once).
+define newline
+
+
+endef
+quoted = '$(subst $(newline), ,$(1))'
 # One word, no `%` (a filter pattern), and one of the names in $(2).
 one-of = $(and $(filter 1,$(words $(1))),$(if $(findstring %,$(1)),,$(filter $(1),$(2))))
-check-project = $(if $(PROJECT),$(if $(call one-of,$(PROJECT),$(PROJECTS)),,$(error PROJECT: not a project under \
-  values/projects/; expected one of: $(PROJECTS))))
+check-project = $(if $(PROJECT),$(if $(call one-of,$(PROJECT),$(PROJECTS)),,$(error PROJECT $(call \
+  quoted,$(PROJECT)): not a project under values/projects/; expected one of: $(PROJECTS))))
 require-env = $(if $(ENV),,$(error ENV is required: `make $@ ENV=dev`; environments: $(ENVS)))$(if \
-  $(call one-of,$(ENV),$(ENVS)),,$(error ENV: not an environment under values/; expected one of: $(ENVS)))$(check-project)
+  $(call one-of,$(ENV),$(ENVS)),,$(error ENV $(call quoted,$(ENV)): not an environment under values/; expected one of: \
+  $(ENVS)))$(check-project)
 require-project = $(if $(PROJECT),,$(error PROJECT is required for $@: `make $@ ENV=$(or $(ENV),prod) PROJECT=example`))
 DEPLOYCTL = python scripts/deployctl.py --env "$$ENV" $(if $(PROJECT),--project "$$PROJECT") \
   $(if $(KUBE_CONTEXT),--kube-context "$$KUBE_CONTEXT") $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run) \

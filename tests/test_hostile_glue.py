@@ -183,7 +183,7 @@ def test_make_refuses_env_and_project_that_name_no_directory_without_running_the
     for variable in ("ENV", "PROJECT"):
         args = ["make", "render", f"{variable}={value}"] + (["ENV=dev"] if variable == "PROJECT" else [])
         proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-        assert proc.returncode != 0 and f"{variable}: not a" in proc.stderr, proc.stderr
+        assert proc.returncode != 0 and f"{variable} '{value}': not a" in proc.stderr, proc.stderr
     assert not marker.exists()
 
 
