@@ -117,6 +117,7 @@ class Rendered:
     sources: list[str]
     runs_train_package: bool
     origin: dict  # key path -> the layer file that set it
+    warnings: list[str]  # what may fail on the workers but cannot be known here; the plan prints them
 
 
 def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what: str) -> None:
@@ -376,18 +377,23 @@ def build(env: str, project: str | None) -> Rendered:
         steps = train_config.get("steps", TrainConfig.steps)
     overrides = merged["deepspeed"].get("overrides") or {}  # with its nulls: null removes a preset key
     ds_config, batch = render_ds_config(settings, origin, effective, steps, overrides)
+    warnings = []
     if not effective["worker"]["gpuResourceName"]:  # CPU ranks: what DeepSpeed's CPU accelerator can run
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
         where = (f"templates/ds_config/{settings['deepspeed']['preset']}.json.j2 with chart.worker.gpuResourceName "
                  f"\"\" ({source_of(origin, ('chart', 'worker', 'gpuResourceName'))})")
         try:
-            dsconfig.check_precision(ds_config, CPU_Accelerator(), where)
+            dsconfig.check_optimizer_kernel(ds_config, "cpu", where)
         except dsconfig.DsConfigError as err:
             raise DeployError(str(err)) from None
+        # This machine's CPU says nothing of the workers': each rank checks its own at start (exit 2).
+        warnings += [f"{section}.enabled on CPU ranks ({where}): DeepSpeed runs it only on CPUs with avx512_fp16; "
+                     "a rank whose CPU lacks it stops at start (exit 2)"
+                     for section in dsconfig.CPU_DEPENDENT_PRECISIONS if ds_config.get(section, {}).get("enabled")]
     chart = copy.deepcopy(merged["chart"])
     chart.setdefault("deepspeed", {})["config"] = ds_config
     out = BUILD / (project or "base") / env
-    return Rendered(env, project, settings, chart, effective, ds_config, batch, world_size, out, sources, ours, origin)
+    return Rendered(env, project, settings, chart, effective, ds_config, batch, world_size, out, sources, ours, origin,
+                    warnings)
 
 
 def write(r: Rendered) -> None:
@@ -611,6 +617,7 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
                          "zero3-offload-bf16)")
     else:
         lines.append("  model       the program's own (no estimate)")
+    lines += [f"  WARNING: {warning}" for warning in r.warnings]
     for relaxation in security_relaxations(manifests):
         lines.append(f"  WARNING: security relaxed (allowSecurityRelaxations): {relaxation}")
     lines.append(f"  rendered    {r.out.relative_to(ROOT)}/values.yaml, ds_config.json, train_config.json, "

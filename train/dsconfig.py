@@ -241,16 +241,27 @@ def resume_changes(saved: dict | None, current: dict, reset_optimizer: bool, sou
     return effect, kept
 
 
-def check_precision(config: dict, accelerator, source: str) -> None:
-    """What the ranks' accelerator cannot run: fp16/bf16 it lacks (DeepSpeed's CPU accelerator has no fp16) and
-    fused optimizers without a CPU kernel. Refused before every rank would fail in deepspeed.initialize."""
+def check_optimizer_kernel(config: dict, device_name: str, source: str) -> None:
+    """Fused optimizers without a kernel for the ranks' device kind (DeepSpeed's, not the hardware's: the same
+    answer on any machine, so the glue checks it too)."""
     optimizer = (config.get("optimizer") or {}).get("type", "")
     zero = config.get("zero_optimization") or {}
     offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
-    if accelerator.device_name() == "cpu" and str(optimizer).lower() in ("lamb", "lion") and not offloaded:
+    if device_name == "cpu" and str(optimizer).lower() in ("lamb", "lion") and not offloaded:
         raise DsConfigError(f"ds_config {source}: optimizer.type {optimizer}: DeepSpeed's fused {optimizer} has no "
                             "CPU implementation; on CPU ranks use Adam/AdamW with torch_adam, or offload the "
                             "optimizer (zero_optimization.offload_optimizer.device cpu)")
+
+
+# Half precisions DeepSpeed's CPU accelerator runs only on some CPUs (fp16: avx512_fp16, asked of the CPU itself).
+CPU_DEPENDENT_PRECISIONS = ("fp16",)
+
+
+def check_precision(config: dict, accelerator, source: str) -> None:
+    """What this rank's accelerator cannot run: fp16/bf16 its hardware lacks (DeepSpeed's CPU accelerator runs fp16
+    only where the CPU has avx512_fp16) and fused optimizers without a kernel for it. Run on the rank itself,
+    which alone knows its hardware; refused before every rank would fail in deepspeed.initialize."""
+    check_optimizer_kernel(config, accelerator.device_name(), source)
     for section, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
         if config.get(section, {}).get("enabled") is True and not supported():
             raise DsConfigError(f"ds_config {source}: {section}.enabled: the {accelerator.device_name()} accelerator "
