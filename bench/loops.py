@@ -15,6 +15,7 @@ import torch.distributed as dist
 from train import dsconfig
 from train.config import DataConfig, ModelConfig
 from train.data import SyntheticData
+from train.layout import Layout
 from train.model import GPT
 
 
@@ -30,7 +31,7 @@ def main() -> None:
     ds_config = dsconfig.load(args.ds_config)
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    micro, accum, global_batch = dsconfig.batch_sizes(ds_config, world, args.ds_config)
+    micro, accum, global_batch = dsconfig.batch_sizes(ds_config, Layout(world), args.ds_config)
     model_cfg = ModelConfig(**args.model)
     data = SyntheticData(DataConfig(), model_cfg, rank, world)
     torch.manual_seed(0)

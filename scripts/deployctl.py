@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))  # the train package: one ds_config check for both
 from scripts.jinja_render import TemplateError, render  # noqa: E402
 from train import dsconfig, yamlfile  # noqa: E402
 from train.config import ConfigError, ModelConfig, TrainConfig, from_mapping  # noqa: E402
+from train.layout import Layout, LayoutError  # noqa: E402
 
 VALUES, TEMPLATES, BUILD = ROOT / "values", ROOT / "templates", ROOT / "build"
 CHART = ROOT / "charts" / "deepspeed-training"
@@ -277,20 +278,21 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
                      ) -> tuple[dict, tuple]:
     """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked."""
     ds = settings["deepspeed"]
-    world_size = data_parallel_size(effective)  # the batch keys count the ranks that see different data
+    layout = layout_of(effective, origin)  # the batch keys count the ranks that see different data
     micro = ds["microBatch"]
     if ds.get("globalBatch"):  # the accumulation, completed as DeepSpeed (and train/dsconfig.py) does
         try:
             _, accum, _ = dsconfig.batch_sizes({"train_micro_batch_size_per_gpu": micro,
-                                                "train_batch_size": ds["globalBatch"]}, world_size, "")
+                                                "train_batch_size": ds["globalBatch"]}, layout, "")
         except dsconfig.DsConfigError:
             raise DeployError(
                 f"{source_of(origin, ('deepspeed', 'globalBatch'))}: deepspeed.globalBatch {ds['globalBatch']} must "
                 f"be a multiple of deepspeed.microBatch {micro} x {ranks_text(effective)}") from None
     else:
         accum = ds["gradientAccumulation"]
-    variables = {"micro_batch": micro, "gradient_accumulation": accum, "global_batch": micro * accum * world_size,
-                 "lr": ds["lr"], "weight_decay": ds["weightDecay"], "warmup_steps": ds["warmupSteps"],
+    variables = {"micro_batch": micro, "gradient_accumulation": accum,
+                 "global_batch": micro * accum * layout.data_parallel, "lr": ds["lr"],
+                 "weight_decay": ds["weightDecay"], "warmup_steps": ds["warmupSteps"],
                  "gradient_clipping": ds["gradientClipping"], "steps": steps}
     template = f"ds_config/{ds['preset']}.json.j2"
     preset_source = f"{source_of(origin, ('deepspeed', 'preset'))}: deepspeed.preset {ds['preset']!r}"
@@ -306,37 +308,31 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
     ds_source = f"templates/{template}" + (
         f" + deepspeed.overrides from {', '.join(override_files)}" if overrides else "")
     try:
-        batch = dsconfig.validate(ds_config, world_size, ds_source, fills_auto=effective["train"]["fillsDsConfigAuto"])
-        dsconfig.check_pipeline(ds_config, pipeline_stages(effective), ds_source)
+        batch = dsconfig.validate(ds_config, layout, ds_source, fills_auto=effective["train"]["fillsDsConfigAuto"])
+        dsconfig.check_pipeline(ds_config, layout.pipeline_stages, ds_source)
     except dsconfig.DsConfigError as err:
         raise DeployError(str(err)) from None
     return ds_config, batch
 
 
-def pipeline_stages(effective: dict) -> int:
-    """The train package's model.pipeline_stages (1 for other programs)."""
-    if effective["train"]["argsConvention"] != "train":
-        return 1
-    model = effective["train"]["config"].get("model") or {}
-    return model.get("pipeline_stages", 1) if isinstance(model, dict) else 1
+def layout_of(effective: dict, origin: dict | None = None) -> Layout:
+    """The ranks' layout as the pods will form it (train/layout.py): workers x GPUs, over the train package's
+    model.pipeline_stages (1 for other programs). Errors name the layer that set the stages (`origin`)."""
+    stages = 1
+    if effective["train"]["argsConvention"] == "train":
+        model = effective["train"]["config"].get("model") or {}
+        stages = model.get("pipeline_stages", 1) if isinstance(model, dict) else 1
+    try:
+        return Layout(effective["worker"]["replicas"] * effective["worker"]["gpusPerWorker"], stages)
+    except LayoutError as err:
+        where = source_of(origin or {}, ("chart", "train", "config", "model", "pipeline_stages"))
+        raise DeployError(f"{where}: chart.train.config.model.pipeline_stages: {err} (chart.worker.replicas x "
+                          "chart.worker.gpusPerWorker)") from None
 
 
 def ranks_text(effective: dict) -> str:
     workers, gpus = effective["worker"]["replicas"], effective["worker"]["gpusPerWorker"]
-    stages = pipeline_stages(effective)
-    if stages == 1:
-        return f"world size {workers * gpus} ({workers} workers x {gpus} GPUs)"
-    return f"{data_parallel_size(effective)} data-parallel ranks ({workers} workers x {gpus} GPUs / {stages} stages)"
-
-
-def data_parallel_size(effective: dict) -> int:
-    """World size over pipeline stages, as train/main.py check_inputs and the chart count it."""
-    world = effective["worker"]["replicas"] * effective["worker"]["gpusPerWorker"]
-    stages = pipeline_stages(effective)
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1 or world % stages:
-        raise DeployError(f"train.config.model.pipeline_stages {stages!r} must be an integer >= 1 that divides the "
-                          f"world size {world} (worker.replicas x worker.gpusPerWorker)")
-    return world // stages
+    return f"{layout_of(effective).describe()} ({workers} workers x {gpus} GPUs)"
 
 
 def quiet_deepspeed() -> None:
@@ -404,7 +400,8 @@ def write(r: Rendered) -> None:
     values = render(TEMPLATES, "values.yaml.j2", {
         "env": r.env, "project": r.project, "sources": r.sources, "chart": r.chart, "world_size": r.world_size,
         "workers": r.effective["worker"]["replicas"], "gpus": r.effective["worker"]["gpusPerWorker"],
-        "batch": [("auto" if n is None else n) for n in r.batch], "preset": r.settings["deepspeed"]["preset"]})
+        "batch": [("auto" if n is None else n) for n in r.batch], "preset": r.settings["deepspeed"]["preset"],
+        "ranks": layout_of(r.effective).describe()})
     (r.out / "values.yaml").write_text(values)
     (r.out / "ds_config.json").write_text(json.dumps(r.ds_config, indent=2) + "\n")
     (r.out / "train_config.json").write_text(json.dumps(r.effective["train"]["config"], indent=2) + "\n")
@@ -414,14 +411,14 @@ def write(r: Rendered) -> None:
 
 def pipeline_plan(r: Rendered) -> list[str]:
     """The plan's lines for the pipeline layout: stages x data-parallel ranks, and each stage's layers."""
-    stages = pipeline_stages(r.effective)
-    if stages == 1:
+    layout = layout_of(r.effective)
+    if layout.pipeline_stages == 1:
         return []
     from train.pipeline import stage_plan
 
     model = ModelConfig(**r.effective["train"]["config"].get("model", {}))
-    lines = [f"  layout      {stages} pipeline stages x {data_parallel_size(r.effective)} data-parallel ranks "
-             f"(stage s, data-parallel rank d is rank s x {data_parallel_size(r.effective)} + d)"]
+    lines = [f"  layout      {layout.pipeline_stages} pipeline stages x {layout.data_parallel} data-parallel ranks "
+             f"(stage s, data-parallel rank d is rank s x {layout.data_parallel} + d)"]
     lines += [f"  stage {i:<5} {layers}: {count / 1e6:,.1f}M parameters" for i, (layers, count) in
               enumerate(stage_plan(model))]
     return lines
@@ -593,8 +590,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"{context or '(current)'}",
         f"  workers     {worker['replicas']} x {worker['gpusPerWorker']} {gpu_name or 'CPU ranks'} = world size "
         f"{r.world_size}",
-        f"  batch       micro {batch[0]} x accumulation {batch[1]} x {data_parallel_size(r.effective)} "
-        f"data-parallel ranks = global {batch[2]}",
+        f"  batch       micro {batch[0]} x accumulation {batch[1]} x {layout_of(r.effective).describe()} = "
+        f"global {batch[2]}",
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
         f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['job']['runRetries']} run "

@@ -82,7 +82,7 @@ def test_plan_shows_the_pipeline_layout_and_counts_data_parallel_ranks_in_the_ba
     set_key("dev.yaml", "chart", "worker", "replicas", 4)(tree)
     code, out, err = run("plan", "--env", "dev", capsys=capsys)
     assert code == 0, err
-    assert "batch       micro 4 x accumulation 1 x 2 data-parallel ranks = global 8" in out
+    assert "micro 4 x accumulation 1 x 2 data-parallel ranks (4 ranks / 2 pipeline stages) = global 8" in out
     assert "layout      2 pipeline stages x 2 data-parallel ranks" in out
     assert "stage 0     TokenEmbedding, AddPositions, Block:" in out
     assert "stage 1     Block, LayerNorm, TokenEmbedding:" in out
@@ -156,7 +156,7 @@ BAD = {
                          "values/projects/example/values.yaml: deploy.release: the Helm release"),
     "global batch not a multiple": (set_key("prod.yaml", "deepspeed", "globalBatch", 1000), ["--env", "prod"],
                                     "values/prod.yaml: deepspeed.globalBatch 1000 must be a multiple of "
-                                    "deepspeed.microBatch 4 x world size 64 (8 workers x 8 GPUs)"),
+                                    "deepspeed.microBatch 4 x 64 data-parallel ranks (8 workers x 8 GPUs)"),
     "unknown preset": (set_key("dev.yaml", "deepspeed", "preset", "zero9"), ["--env", "dev"],
                        "values/dev.yaml: deepspeed.preset 'zero9': "),
     "missing template variable": (write("templates/ds_config/cpu-fp32.json.j2", '{"a": {{ micro_batchh }}}'),
@@ -170,7 +170,8 @@ BAD = {
         "DeepSpeed rejects it: ValidationError: DeepSpeedZeroConfig.stgae: Extra inputs are not permitted"),
     "ds_config batch mismatch": (
         set_key("dev.yaml", "deepspeed", "overrides", {"train_batch_size": 12}), ["--env", "dev"],
-        "train_batch_size 12 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x world size 2"),
+        "train_batch_size 12 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x 2 data-parallel "
+        "ranks"),
     "chart value of the wrong type": (set_key("prod.yaml", "chart", "worker", "replicas", "8"), ["--env", "prod"],
                                       "values/prod.yaml: chart.worker.replicas: '8' is not of type 'integer'"),
     "unknown chart key": (set_key("projects/example/values.yaml", "chart", "worker", "replica", 2),
@@ -183,7 +184,8 @@ BAD = {
                         "model.d_model must be a multiple of model.n_head (4), got 65"),
     "pipeline stages that do not divide the world": (
         set_key("dev.yaml", "chart", "train", "config", "model", "pipeline_stages", 3), ["--env", "dev"],
-        "train.config.model.pipeline_stages 3 must be an integer >= 1 that divides the world size 2"),
+        "values/dev.yaml: chart.train.config.model.pipeline_stages: model.pipeline_stages 3 must divide the world "
+        "size 2"),
     "pipeline with ZeRO-2": (set_key("dev.yaml", "chart", "train", "config", "model", "pipeline_stages", 2),
                              ["--env", "dev"], "supports ZeRO stage 0 and 1 only"),
     "a project forbidding itself nothing: resumeAcrossWorldSizes is the platform's": (

@@ -199,9 +199,9 @@ BAD = {
     # ds_config: the rules a template can express (train/dsconfig.py has them all)
     "batch against the world size": ({"worker": {"replicas": 2}, "deepspeed": {"config": {
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}}},
-        ["train_batch_size 16", "world size 2"]),
+        ["train_batch_size 16", "2 data-parallel ranks"]),
     "global batch not a multiple": ({"worker": {"replicas": 3}, "deepspeed": {"config": {
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}}}, ["train_batch_size 16", "world size 3"]),
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}}}, ["train_batch_size 16", "3 data-parallel ranks"]),
     "global batch and accumulation": ({"worker": {"replicas": 3}, "deepspeed": {"config": {
         "train_batch_size": 16, "gradient_accumulation_steps": 2}}}, ["train_batch_size 16"]),
     "no batch at all": ({"deepspeed": {"config": {"gradient_clipping": 1.0}}}, ["train_micro_batch_size_per_gpu"]),

@@ -8,6 +8,7 @@ import pytest
 from tests.helm_template import HELM, render_chart
 from tests.train_run import run_single
 from train import dsconfig
+from train.layout import Layout
 
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
 TORCH_ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}}
@@ -131,7 +132,7 @@ LEGIT = {
 @pytest.mark.parametrize("name", LEGIT, ids=LEGIT.keys())
 def test_real_world_configs_pass_the_python_checks(name):
     config, world_size, fills_auto = LEGIT[name]
-    micro, accum, total = dsconfig.validate(config, world_size, name, fills_auto=fills_auto)
+    micro, accum, total = dsconfig.validate(config, Layout(world_size), name, fills_auto=fills_auto)
     if None not in (micro, accum, total):
         assert micro * accum * world_size == total
 

@@ -26,7 +26,8 @@ def test_every_zero_stage_trains_and_the_loss_falls(tmp_path, stage):
     result = run_train(["--ds-config", str(ds_config), "--steps", "30", "--log-every", "10",
                         "--checkpoint-dir", str(ckpt), *TINY])
     assert result.returncode == 0, result.stdout[-4000:]
-    assert f"world size 2 | ZeRO stage {stage} | fp32 | batch 4 micro x 1 accumulation x 2 ranks = 8" in result.stdout
+    assert (f"world size 2 | ZeRO stage {stage} | fp32 | batch 4 micro x 1 accumulation x 2 data-parallel ranks = 8"
+            in result.stdout)
     log_lines = re.findall(r"\[rank 0\] INFO step (\d+)/30 \| loss ([\d.]+) \| lr ([\d.e+-]+) \| ([\d,]+) tokens/s "
                            r"\| ([\d.]+) samples/s \| eta (\d+:\d\d:\d\d)", result.stdout)
     assert [int(line[0]) for line in log_lines] == [10, 20, 30]
@@ -43,7 +44,7 @@ def test_gradient_accumulation_and_global_batch_come_from_ds_config(tmp_path):
     ds_config = write_ds_config(tmp_path, cpu_ds_config(micro=2, accum=None, train_batch_size=16))
     result = run_train(["--ds-config", str(ds_config), "--steps", "3", "--log-every", "1", *TINY])
     assert result.returncode == 0, result.stdout[-4000:]
-    assert "batch 2 micro x 4 accumulation x 2 ranks = 16" in result.stdout
+    assert "batch 2 micro x 4 accumulation x 2 data-parallel ranks = 16" in result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,8 @@ ERRORS = {
                            "bad.json: not valid JSON"),
     "global batch mismatch": (
         lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config(micro=4, accum=2, train_batch_size=12)))],
-        "train_batch_size 12 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size 1"),
+        "train_batch_size 12 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x 1 data-parallel "
+        "rank"),
     "unknown key inside a section": (
         lambda tmp: ["--ds-config", str(write_ds_config(tmp, cpu_ds_config(zero_optimization={"stage": 2,
                                                                                               "stgae": 3})))],

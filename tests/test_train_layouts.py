@@ -146,7 +146,7 @@ def pipeline_ds(stage: int = 1, micro: int = 2, accum: int = 4) -> dict:
 def test_two_pipeline_stages_train_and_resume_with_the_same_losses(tmp_path):
     ds = pipeline_ds()
     out = train(tmp_path, tmp_path / "ckpt", 2, 12, ds, "--model.pipeline-stages=2")
-    assert "layout 2 pipeline stages x 1 data-parallel" in out
+    assert "x 1 data-parallel rank (2 ranks / 2 pipeline stages) = 8" in out
     assert re.search(r"pipeline stage 0: TokenEmbedding, AddPositions, 2 Block \| [\d.]+M parameters", out) or \
         "pipeline stage 1:" in out
     full = losses(out)

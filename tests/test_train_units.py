@@ -10,6 +10,7 @@ import pytest
 from train import dsconfig
 from train.config import ConfigError, DataConfig, ModelConfig, parse_args
 from train.data import DataError, SyntheticData, TokenFileData, samples
+from train.layout import Layout, LayoutError
 from train.tokenize import decode, encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def test_ds_config_is_required():
     (2, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, (2, 4, 16)),
 ])
 def test_batch_sizes_are_completed_as_deepspeed_does(world, given, expected):
-    assert dsconfig.batch_sizes(given, world, "x.json") == expected
+    assert dsconfig.batch_sizes(given, Layout(world), "x.json") == expected
 
 
 @pytest.mark.parametrize("given, message", [
@@ -56,7 +57,7 @@ def test_batch_sizes_are_completed_as_deepspeed_does(world, given, expected):
 ])
 def test_batch_arithmetic_errors_name_the_file(given, message):
     with pytest.raises(dsconfig.DsConfigError, match="ds_config x.json: .*" + message):
-        dsconfig.batch_sizes(given, 2, "x.json")
+        dsconfig.batch_sizes(given, Layout(2), "x.json")
 
 
 def test_load_rejects_a_non_object(tmp_path):
@@ -154,3 +155,20 @@ def test_model_flops_per_token_follow_palm_by_hand():
 def test_peak_flops_match_the_most_specific_device_name(name, half, peak):
     from train import mfu
     assert mfu.peak_tflops(name, half) == peak
+
+
+@pytest.mark.parametrize("world, stages, data_parallel, text", [
+    (8, 1, 8, "8 data-parallel ranks"), (1, 1, 1, "1 data-parallel rank"),
+    (8, 2, 4, "4 data-parallel ranks (8 ranks / 2 pipeline stages)")])
+def test_a_layout_counts_data_parallel_ranks_once(world, stages, data_parallel, text):
+    layout = Layout(world, stages)
+    assert (layout.data_parallel, layout.describe()) == (data_parallel, text)
+    assert [layout.data_rank(r) for r in range(world)] == [r % data_parallel for r in range(world)]
+
+
+@pytest.mark.parametrize("world, stages, message", [
+    (6, 4, "model.pipeline_stages 4 must divide the world size 6"), (0, 1, "world_size must be an integer >= 1"),
+    (4, True, "pipeline_stages must be an integer >= 1"), (4, 2.0, "pipeline_stages must be an integer >= 1")])
+def test_a_layout_the_ranks_cannot_form_is_refused(world, stages, message):
+    with pytest.raises(LayoutError, match=message):
+        Layout(world, stages)

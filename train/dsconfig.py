@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from train import yamlfile
+from train.layout import Layout
 
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the section configs it builds).
 TOP_LEVEL_KEYS = frozenset({
@@ -106,9 +107,11 @@ def _check_numbers(config, source: str, path: str = "") -> None:
         raise DsConfigError(f"ds_config {source}: {path} is {config}; use a finite number")
 
 
-def batch_sizes(config: dict, world_size: int, source: str) -> tuple[int | None, int | None, int | None]:
-    """(micro batch per GPU, gradient accumulation, global batch), completed as DeepSpeed does. A value the
-    program fills in (`"auto"`) stays None, and only the arithmetic between given numbers is checked."""
+def batch_sizes(config: dict, layout: Layout, source: str) -> tuple[int | None, int | None, int | None]:
+    """(micro batch per GPU, gradient accumulation, global batch), completed as DeepSpeed does over the layout's
+    data-parallel ranks. A value the program fills in (`"auto"`) stays None, and only the arithmetic between
+    given numbers is checked."""
+    ranks, ranks_text = layout.data_parallel, layout.describe()
     names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     values = [config.get(name) for name in names]
     for name, value in zip(names, values, strict=True):
@@ -120,10 +123,10 @@ def batch_sizes(config: dict, world_size: int, source: str) -> tuple[int | None,
         if None not in (micro, accum, total) or total is None or (micro is None and accum is None):
             return micro, accum, total  # nothing to check, or checked below with all three
         known = micro if micro is not None else accum
-        if total % (known * world_size):
+        if total % (known * ranks):
             raise DsConfigError(
                 f"ds_config {source}: train_batch_size {total} is not divisible by "
-                f"{names[0] if micro is not None else names[1]} {known} x world size {world_size}")
+                f"{names[0] if micro is not None else names[1]} {known} x {ranks_text}")
         return micro, accum, total
     micro, accum, total = values
     if total is None and micro is None:
@@ -131,30 +134,30 @@ def batch_sizes(config: dict, world_size: int, source: str) -> tuple[int | None,
     accum_given = accum is not None
     if total is None:
         accum = accum or 1
-        total = micro * accum * world_size
+        total = micro * accum * ranks
     elif micro is None:
         accum = accum or 1
-        micro, rest = divmod(total, accum * world_size)
+        micro, rest = divmod(total, accum * ranks)
         if rest or micro == 0:
             raise DsConfigError(
                 f"ds_config {source}: train_batch_size {total} is not divisible by gradient_accumulation_steps "
-                f"{accum} x world size {world_size}")
+                f"{accum} x {ranks_text}")
     elif not accum_given:
-        accum, rest = divmod(total, micro * world_size)
+        accum, rest = divmod(total, micro * ranks)
         if rest or accum == 0:
             raise DsConfigError(
                 f"ds_config {source}: train_batch_size {total} is not divisible by train_micro_batch_size_per_gpu "
-                f"{micro} x world size {world_size}")
-    if micro * accum * world_size != total:
+                f"{micro} x {ranks_text}")
+    if micro * accum * ranks != total:
         raise DsConfigError(
             f"ds_config {source}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
-            f"gradient_accumulation_steps {accum} x world size {world_size} (= {micro * accum * world_size})")
+            f"gradient_accumulation_steps {accum} x {ranks_text} (= {micro * accum * ranks})")
     return micro, accum, total
 
 
-def validate(config: dict, world_size: int, source: str, *, fills_auto: bool = False
+def validate(config: dict, layout: Layout, source: str, *, fills_auto: bool = False
              ) -> tuple[int | None, int | None, int | None]:
-    """Checks `config` for `world_size` ranks; returns batch_sizes(). `fills_auto`: the program fills the
+    """Checks `config` for the ranks of `layout`; returns batch_sizes(). `fills_auto`: the program fills the
     `"auto"` values (Hugging Face Trainer, Accelerate); otherwise they are refused. Raises DsConfigError."""
     unknown = sorted(set(config) - TOP_LEVEL_KEYS)
     if unknown:
@@ -174,9 +177,9 @@ def validate(config: dict, world_size: int, source: str, *, fills_auto: bool = F
     for key in sorted(OBJECT_SECTIONS & set(config)):
         if not isinstance(config[key], dict):
             raise DsConfigError(f"ds_config {source}: {key} must be an object, got {config[key]!r}")
-    sizes = batch_sizes(config, world_size, source)
+    sizes = batch_sizes(config, layout, source)
     _deepspeed_parse(config, sizes, source)  # first: the sections' own types, as DeepSpeed reads them
-    _check_runtime_settings(config, world_size, source)
+    _check_runtime_settings(config, layout.world_size, source)
     _check_optimizer(config, source)
     _check_scheduler(config, source)
     return sizes

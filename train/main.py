@@ -20,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from train import checkpoint, dsconfig, mfu, rankstate
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, make_data, samples
+from train.layout import Layout, LayoutError
 from train.model import GPT, build_model, count_parameters
 from train.pipeline import PipelineGPT, stage_plan
 
@@ -65,26 +66,25 @@ class Inputs:
     ds_config: dict
     batch: tuple[int, int, int]
     data: object
-    data_parallel: int  # ranks that see different data: world size / pipeline stages
-    data_rank: int
+    layout: Layout
+    data_rank: int  # this rank's data-parallel rank
 
 
 def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
-    stages = cfg.model.pipeline_stages
-    if world_size % stages:
-        raise ConfigError(f"model.pipeline_stages {stages} must divide the world size {world_size} "
-                          "(stages x data-parallel ranks)")
-    data_parallel = world_size // stages
+    try:
+        layout = Layout(world_size, cfg.model.pipeline_stages)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
     check_chart_paths(cfg)
     ds_config = dsconfig.load(cfg.ds_config)
-    batch = dsconfig.validate(ds_config, data_parallel, cfg.ds_config)
-    dsconfig.check_pipeline(ds_config, stages, cfg.ds_config)
+    batch = dsconfig.validate(ds_config, layout, cfg.ds_config)
+    dsconfig.check_pipeline(ds_config, layout.pipeline_stages, cfg.ds_config)
     dsconfig.check_precision(ds_config, get_accelerator(), cfg.ds_config)
     if cfg.checkpoint_dir:
         checkpoint.check_writable(Path(cfg.checkpoint_dir))
-    # Stage s, data-parallel rank d is global rank s * data_parallel + d: both ends of a pipeline read alike.
-    data = make_data(cfg.data, cfg.model, rank % data_parallel, data_parallel, batch[0])
-    return Inputs(ds_config, batch, data, data_parallel, rank % data_parallel)
+    # Both ends of a pipeline read alike: they share a data-parallel rank.
+    data = make_data(cfg.data, cfg.model, layout.data_rank(rank), layout.data_parallel, batch[0])
+    return Inputs(ds_config, batch, data, layout, layout.data_rank(rank))
 
 
 def check_chart_paths(cfg: TrainConfig) -> None:
@@ -166,7 +166,7 @@ def train_step(engine, inputs: Inputs, position: int) -> tuple[torch.Tensor, int
     samples of the whole job). A pipeline runs the micro-batches itself (train_batch) and returns the mean loss
     over every rank."""
     micro, accum, _ = inputs.batch
-    per_micro = micro * inputs.data_parallel
+    per_micro = micro * inputs.layout.data_parallel
     firsts = [samples(position + i * per_micro, micro, inputs.data_rank) for i in range(accum)]
     position += per_micro * accum
     if isinstance(engine.module, PipelineGPT):
@@ -250,12 +250,10 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
                                            config=inputs.ds_config)
     dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
-    layout = f"{stages} pipeline stages x {inputs.data_parallel} data-parallel" if stages > 1 else f"{world_size}"
     logger.info(
         f"world size {world_size} | ZeRO stage {engine.zero_optimization_stage()} | {dtype} | batch {micro} micro x "
-        f"{accum} accumulation x {inputs.data_parallel} ranks = {global_batch} | {parameters / 1e6:.2f}M "
-        f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}"
-        + (f" | layout {layout}" if stages > 1 else ""))
+        f"{accum} accumulation x {inputs.layout.describe()} = {global_batch} | {parameters / 1e6:.2f}M "
+        f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}")
     for stage, (layers, count) in enumerate(plan):
         logger.info(f"pipeline stage {stage}: {layers} | {count / 1e6:.2f}M parameters")
 

@@ -305,7 +305,7 @@ rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agr
 {{- if not (or (hasKey $config "train_micro_batch_size_per_gpu") (hasKey $config "train_batch_size")) }}
 {{- fail "deepspeed.config: set train_micro_batch_size_per_gpu or train_batch_size" }}
 {{- end }}
-{{- $worldText := printf "world size %d (worker.replicas %d x worker.gpusPerWorker %d)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
+{{- $worldText := printf "%d data-parallel ranks (worker.replicas %d x worker.gpusPerWorker %d)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
 {{- if gt $stages 1 }}
 {{- $worldText = printf "%d data-parallel ranks (worker.replicas %d x worker.gpusPerWorker %d / %d pipeline stages)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) $stages }}
 {{- end }}
