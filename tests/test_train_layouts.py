@@ -42,13 +42,24 @@ def rewind(ckpt: Path, to: Path, step: int) -> Path:
     return to
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda s: f"zero{s}")
-def two_rank_run(request, tmp_path_factory):
-    """12 steps on 2 ranks, checkpoints at 6 and 12, global batch 12 (micro 2): the reference."""
-    tmp = tmp_path_factory.mktemp(f"zero{request.param}")
-    ds = cpu_ds_config(stage=request.param, micro=2, accum=None, train_batch_size=12)
-    out = train(tmp, tmp / "ckpt", 2, 12, ds)
-    return request.param, tmp, ds, losses(out)
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory):
+    """reference_runs(stage): 12 steps on 2 ranks, checkpoints at 6 and 12, global batch 12 (micro 2), trained
+    once per ZeRO stage for every test of the module (tests copy its checkpoint dir, never change it)."""
+    runs = {}
+
+    def run(stage: int):
+        if stage not in runs:
+            tmp = tmp_path_factory.mktemp(f"zero{stage}")
+            ds = cpu_ds_config(stage=stage, micro=2, accum=None, train_batch_size=12)
+            runs[stage] = stage, tmp, ds, losses(train(tmp, tmp / "ckpt", 2, 12, ds))
+        return runs[stage]
+    return run
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda s: f"zero{s}")
+def two_rank_run(request, reference_runs):
+    return reference_runs(request.param)
 
 
 @pytest.mark.parametrize("to_ranks", [1, 3])
@@ -69,9 +80,9 @@ def test_a_checkpoint_resumes_on_another_world_size_through_a_universal_copy(two
     assert (manifest["world_size"], manifest["zero_stage"]) == (to_ranks, stage)
 
 
-def test_a_second_resume_at_the_new_size_reuses_the_converted_copy(tmp_path):
-    ds = cpu_ds_config(stage=2, micro=2, accum=None, train_batch_size=4)
-    train(tmp_path, tmp_path / "ckpt", 2, 6, ds)
+def test_a_second_resume_at_the_new_size_reuses_the_converted_copy(tmp_path, reference_runs):
+    _, tmp, ds, _ = reference_runs(2)
+    rewind(tmp / "ckpt", tmp_path / "ckpt", 6)  # as a 2-rank run of 6 steps left it
     source = tmp_path / "ckpt" / "step_00000006"
     files = {p: p.stat().st_mtime_ns for p in source.rglob("*")}
     first = train(tmp_path, tmp_path / "ckpt", 1, 6, ds)  # nothing left to train: converts, loads, stops
@@ -81,9 +92,9 @@ def test_a_second_resume_at_the_new_size_reuses_the_converted_copy(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in source.rglob("*")} == files  # the original is never modified
 
 
-def test_a_platform_can_forbid_resuming_on_another_world_size(tmp_path):
-    ds = cpu_ds_config(stage=2, micro=2, accum=None, train_batch_size=4)
-    train(tmp_path, tmp_path / "ckpt", 2, 6, ds)
+def test_a_platform_can_forbid_resuming_on_another_world_size(tmp_path, reference_runs):
+    _, tmp, ds, _ = reference_runs(2)
+    rewind(tmp / "ckpt", tmp_path / "ckpt", 6)
     result = run_single([f"--ds-config={write_ds_config(tmp_path, ds)}", f"--checkpoint-dir={tmp_path / 'ckpt'}",
                          "--steps=8", *TINY], DS_RESUME_ACROSS_WORLD_SIZES="false")
     assert result.returncode == 2
