@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))  # the train package: one ds_config check for both
 
 from scripts.jinja_render import TemplateError, render  # noqa: E402
 from train import dsconfig, yamlfile  # noqa: E402
-from train.config import ConfigError, ModelConfig, TrainConfig, from_mapping  # noqa: E402
+from train.config import ConfigError, ModelConfig, TrainConfig, parse_args  # noqa: E402
 from train.layout import Layout, LayoutError  # noqa: E402
 
 VALUES, TEMPLATES, BUILD = ROOT / "values", ROOT / "templates", ROOT / "build"
@@ -363,9 +363,14 @@ def build(env: str, project: str | None) -> Rendered:
     train_config = effective["train"]["config"]
     ours = runs_train_package(effective)
     if ours:
-        try:  # the train package's own config check, as the pods will run it
-            steps = from_mapping({**train_config, "ds_config": "ds_config.json"}, "chart.train.config").steps
+        try:  # the train package's own config and argument check, as the pods will run it (--steps in args included)
+            args = [re.sub(r"\{(ds_config|train_config|checkpoint_dir|data_dir)\}", "/x", str(a))
+                    for a in effective["train"]["args"]]
+            steps = parse_args(["--ds-config=ds_config.json", *args], train_config, "chart.train.config").steps
         except ConfigError as err:
+            if str(err).startswith("command line:"):  # train's parser refused an argument of chart.train.args
+                raise DeployError(f"{source_of(origin, ('chart', 'train', 'args'))}: chart.train.args: "
+                                  f"{str(err).removeprefix('command line: ')}") from None
             named = blame(origin, ("chart", "train", "config"), str(err))
             files = sorted({n.rsplit(" from ", 1)[1] for n in named}) or [source_of(origin, ("chart", "train"))]
             raise DeployError(f"{', '.join(files)}: {err}") from None

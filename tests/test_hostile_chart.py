@@ -201,7 +201,8 @@ BAD = {
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}}},
         ["train_batch_size 16", "2 data-parallel ranks"]),
     "global batch not a multiple": ({"worker": {"replicas": 3}, "deepspeed": {"config": {
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}}}, ["train_batch_size 16", "3 data-parallel ranks"]),
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}}},
+        ["train_batch_size 16", "3 data-parallel ranks"]),
     "global batch and accumulation": ({"worker": {"replicas": 3}, "deepspeed": {"config": {
         "train_batch_size": 16, "gradient_accumulation_steps": 2}}}, ["train_batch_size 16"]),
     "no batch at all": ({"deepspeed": {"config": {"gradient_clipping": 1.0}}}, ["train_micro_batch_size_per_gpu"]),
@@ -388,4 +389,5 @@ def test_every_runner_flag_values_may_set_parses_in_deepspeeds_runner_in_the_all
         arg = RUNNER_EXAMPLES[flag]
         assert re.fullmatch(pattern, arg), (pattern, arg)
         assert runner.parse_args([arg, "prog.py"]).user_script == "prog.py", flag
-        render_chart({"deepspeed": {"runnerArgs": [arg]}})
+        with_its_partner = [arg, "--bind_cores_to_rank"] if flag == "--bind_core_list" else [arg]
+        render_chart({"deepspeed": {"runnerArgs": with_its_partner}})

@@ -169,7 +169,7 @@ def test_launch_mode_mistakes_stop_at_render(values, message):
     assert message in err.value.stderr
 
 
-AUTOTUNE = {"launcher": {"autotuning": "tune"}, "train": {"script": "/data/code/train.py",
+AUTOTUNE = {"launcher": {"autotuning": "tune"}, "train": {"script": "/app/train.py",
                                                           "argsConvention": "deepspeed"},
             "checkpoints": {"existingClaim": "shared"}}
 
@@ -179,8 +179,8 @@ def test_autotuning_runs_the_tuner_over_ssh_and_writes_to_the_checkpoint_volume(
     docs = render_chart({**AUTOTUNE, "deepspeed": {"config": {
         "train_micro_batch_size_per_gpu": 4, "autotuning": {"metric": "throughput", "fast": False}}}})
     args = container(one(docs, "Job"))["args"]
-    assert "--autotuning=tune" in args and args.index("--autotuning=tune") < args.index("/data/code/train.py")
-    assert args[args.index("/data/code/train.py") + 1:][:3] == ["--deepspeed", "--deepspeed_config",
+    assert "--autotuning=tune" in args and args.index("--autotuning=tune") < args.index("/app/train.py")
+    assert args[args.index("/app/train.py") + 1:][:3] == ["--deepspeed", "--deepspeed_config",
                                                               "/etc/deepspeed/config/ds_config.json"]
     tuned = json.loads(one(docs, "ConfigMap", "-config")["data"]["ds_config.json"])["autotuning"]
     assert tuned == {"enabled": True, "metric": "throughput", "fast": False, "overwrite": False,
@@ -195,7 +195,7 @@ def test_autotuning_runs_the_tuner_over_ssh_and_writes_to_the_checkpoint_volume(
 
 @pytest.mark.parametrize("values, message", [
     ({**AUTOTUNE, **NOSSH}, "launcher.autotuning needs launchMode ssh"),
-    ({**AUTOTUNE, "train": {"script": "/data/t.py", "argsConvention": "train"}},
+    ({**AUTOTUNE, "train": {"script": "/app/t.py", "argsConvention": "train"}},
      "launcher.autotuning: DeepSpeed's autotuner finds the ds_config after --deepspeed_config or --deepspeed"),
     ({**AUTOTUNE, "train": {"module": "mypkg.train", "argsConvention": "deepspeed"}},
      "launcher.autotuning: DeepSpeed's autotuner drops --module from its experiments"),

@@ -144,6 +144,8 @@ def test_real_world_configs_render_through_the_chart(name):
     gpus = 8 if world_size % 8 == 0 else world_size
     values = {"worker": {"replicas": world_size // gpus, "gpusPerWorker": gpus},
               "deepspeed": {"config": config}, "train": {"fillsDsConfigAuto": fills_auto}}
+    if fills_auto:  # a program that fills "auto": a Trainer script
+        values["train"].update(script="/opt/deepspeed-examples/hf_trainer.py", argsConvention="huggingface")
     docs = render_chart(values, show_only=["configmap.yaml"])
     assert json.loads(docs[0]["data"]["ds_config.json"]) == json.loads(json.dumps(config))
 

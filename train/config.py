@@ -97,8 +97,13 @@ def _sections() -> dict[str, type]:
     return {"": TrainConfig, "model.": ModelConfig, "data.": DataConfig}
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line naming the argument, on a rank (exit 2) and in the glue alike
+        raise ConfigError(f"command line: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m train", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--config", help="YAML or JSON train config file; flags override it.")
@@ -142,12 +147,14 @@ def _construct(cls: type, values: dict, source: str, prefix: str, **extra):
         raise ConfigError(f"{source}: {err}") from None
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_args(argv: list[str] | None = None, values: dict | None = None, source: str = "command line"
+               ) -> TrainConfig:
+    """The config of `python -m train ARGV`: the --config file (or `values`, its contents, where the caller has
+    them: the glue), then the flags over it."""
     args = vars(build_parser().parse_args(argv))
-    values: dict = {}
+    values = dict(values or {})
     config_path = args.pop("config")
     args.pop("local_rank")
-    source = "command line"
     if config_path:
         try:
             values = yamlfile.load_mapping(Path(config_path), f"--config {config_path}")

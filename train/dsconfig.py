@@ -180,6 +180,7 @@ def validate(config: dict, layout: Layout, source: str, *, fills_auto: bool = Fa
     sizes = batch_sizes(config, layout, source)
     _deepspeed_parse(config, sizes, source)  # first: the sections' own types, as DeepSpeed reads them
     _check_runtime_settings(config, layout.world_size, source)
+    _check_silently_ignored(config, source)
     _check_optimizer(config, source)
     _check_scheduler(config, source)
     return sizes
@@ -269,6 +270,52 @@ def check_precision(config: dict, accelerator, source: str) -> None:
         if config.get(section, {}).get("enabled") is True and not supported():
             raise DsConfigError(f"ds_config {source}: {section}.enabled: the {accelerator.device_name()} accelerator "
                                 f"of these ranks does not support {section}; turn it off or use GPU workers")
+
+
+# The keys DeepSpeed reads in these sections (deepspeed/runtime/config.py get_optimizer_params/
+# get_scheduler_params, 0.19.8): anything beside them, `lr` above `params` say, is silently ignored.
+SECTION_KEYS = {"optimizer": {"type", "params", "legacy_fusion"}, "scheduler": {"type", "params"}}
+# Schedulers with a total step count, and the params that hold it and their warmup (deepspeed/runtime/lr_schedules).
+SCHEDULE_LENGTH = {"WarmupDecayLR": ("total_num_steps", "warmup_num_steps"),
+                   "WarmupCosineLR": ("total_num_steps", "warmup_num_steps")}
+
+
+def _check_silently_ignored(config: dict, source: str) -> None:
+    """Settings DeepSpeed accepts and then ignores or applies otherwise, so a run trains something else than its
+    config says."""
+    for section, known in SECTION_KEYS.items():
+        extra = sorted(set(config.get(section) or {}) - known) if isinstance(config.get(section), dict) else []
+        if extra:
+            raise DsConfigError(f"ds_config {source}: {section}.{extra[0]}: DeepSpeed reads only "
+                                f"{', '.join(sorted(known))} in {section} and ignores the rest; put it in "
+                                f"{section}.params")
+    if "bf16" in config and "bfloat16" in config:
+        raise DsConfigError(f"ds_config {source}: bf16 and bfloat16 are one section under two names, and DeepSpeed "
+                            "reads only one of them; keep bf16")
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(zero, dict) and (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
+        raise DsConfigError(f"ds_config {source}: zero_optimization.offload_param: parameters are offloaded with ZeRO "
+                            f"stage 3 only; with stage {stage} DeepSpeed ignores it (use offload_optimizer)")
+    scheduler = config.get("scheduler") or {}
+    keys = SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
+    params = scheduler.get("params") if isinstance(scheduler, dict) else None
+    if keys and isinstance(params, dict):
+        total, warmup = (params.get(key) for key in keys)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (total, warmup)) and warmup > total:
+            raise DsConfigError(f"ds_config {source}: scheduler.params.{keys[1]} {warmup} is longer than "
+                                f"{keys[0]} {total}: the learning rate would never reach its peak")
+
+
+def check_schedule_length(config: dict, steps: int, source: str) -> None:
+    """A scheduler with its own total step count must end with the run (the train package's `steps`): one that
+    decays over another count trains with another schedule than the config says."""
+    scheduler = config.get("scheduler") or {}
+    keys = SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
+    total = (scheduler.get("params") or {}).get(keys[0]) if keys else None
+    if isinstance(total, int) and not isinstance(total, bool) and total != steps:
+        raise DsConfigError(f"ds_config {source}: scheduler.params.{keys[0]} {total}, but the run trains {steps} "
+                            f"steps (steps in the train config or --steps): make them equal")
 
 
 def _check_runtime_settings(config: dict, world_size: int, source: str) -> None:

@@ -79,6 +79,7 @@ def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
     ds_config = dsconfig.load(cfg.ds_config)
     batch = dsconfig.validate(ds_config, layout, cfg.ds_config)
     dsconfig.check_pipeline(ds_config, layout.pipeline_stages, cfg.ds_config)
+    dsconfig.check_schedule_length(ds_config, cfg.steps, cfg.ds_config)
     dsconfig.check_precision(ds_config, get_accelerator(), cfg.ds_config)
     if cfg.checkpoint_dir:
         checkpoint.check_writable(Path(cfg.checkpoint_dir))

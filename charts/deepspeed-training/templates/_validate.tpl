@@ -100,6 +100,15 @@ overridden by them), and those that make the ranks' shells run code or parse com
 
 {{- define "deepspeed-training.validateEnv" -}}
 {{- $reserved := include "deepspeed-training.reservedEnvNames" . | fromJsonArray }}
+{{- /* envFrom's keys are unknown here: its prefix must keep every name it makes off the reserved ones. */}}
+{{- range $i, $e := .Values.worker.extraEnvFrom }}
+{{- $prefix := toString ($e.prefix | default "") }}
+{{- range $reserved }}
+{{- if hasPrefix $prefix . }}
+{{- fail (printf "worker.extraEnvFrom[%d].prefix %q: with it a key of the ConfigMap or Secret could form %s, which the chart or DeepSpeed's launcher sets (or a shell reads at start-up); use a prefix no such name starts with (e.g. APP_)" $i $prefix .) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- $seen := dict }}
 {{- range $key, $entries := dict "env" .Values.env "worker.extraEnv" .Values.worker.extraEnv }}
 {{- range $i, $e := $entries }}
@@ -240,6 +249,31 @@ the train config name its own paths.
 {{- end }}
 {{- end }}
 {{- end }}
+{{- $train := .Values.train }}
+{{- $package := and (not $train.script) (eq $train.module "train") }}
+{{- if and $package (ne $train.argsConvention "train") }}
+{{- fail (printf "train.argsConvention %q: the train package (train.module train) takes its paths only as --ds-config, --config and --checkpoint-dir (argsConvention train); set train.script or train.module to the program that takes the %s arguments" $train.argsConvention $train.argsConvention) }}
+{{- end }}
+{{- if and $package $train.fillsDsConfigAuto }}
+{{- fail "train.fillsDsConfigAuto: the train package never fills \"auto\" in the ds_config; give its values (only Hugging Face Trainer or Accelerate programs fill them)" }}
+{{- end }}
+{{- if not .Values.data.existingClaim }}
+{{- $data := printf "%s/" (clean .Values.data.mountPath) }}
+{{- $dataPath := "" }}
+{{- if and (eq $train.argsConvention "train") (kindIs "map" $train.config) (kindIs "map" $train.config.data) }}
+{{- $dataPath = toString ($train.config.data.path | default "") }}
+{{- end }}
+{{- range $where, $path := dict "train.script" $train.script "train.config.data.path" $dataPath }}
+{{- if hasPrefix $data (toString $path) }}
+{{- fail (printf "%s %q is under data.mountPath %s, but data.existingClaim is empty, so nothing is mounted there: set data.existingClaim" $where $path (clean $.Values.data.mountPath)) }}
+{{- end }}
+{{- end }}
+{{- range $i, $arg := $train.args }}
+{{- if contains "{data_dir}" $arg }}
+{{- fail (printf "train.args[%d] %q names {data_dir}, but data.existingClaim is empty, so nothing is mounted there: set data.existingClaim" $i $arg) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and (eq .Values.train.argsConvention "train") (kindIs "map" .Values.train.config) }}
 {{- range $key := list "checkpoint_dir" "ds_config" }}
 {{- if hasKey $.Values.train.config $key }}
@@ -258,6 +292,9 @@ the train config name its own paths.
 {{- fail (printf "deepspeed.runnerArgs[%d]: %q: expected the form %s" $i $arg (get $allowed $flag)) }}
 {{- end }}
 {{- include "deepspeed-training.shellSafe" (dict "key" (printf "deepspeed.runnerArgs[%d]" $i) "value" $arg "context" "bare") }}
+{{- if and (hasPrefix "--bind_core_list" $arg) (not (has "--bind_cores_to_rank" $.Values.deepspeed.runnerArgs)) }}
+{{- fail (printf "deepspeed.runnerArgs[%d]: %s takes effect only with --bind_cores_to_rank, which is not set (DeepSpeed ignores it otherwise)" $i $arg) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
