@@ -104,6 +104,11 @@ demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train
 test: setup lint ## Set up if needed, lint, then run the whole test suite (chart, train, glue, multi-host e2e).
 	pytest $(PYTEST_ARGS)
 
+.PHONY: generate
+generate: ## Regenerate what is generated from its owner: the chart README's values table and schema docs, the chart's ds_config keys.
+	python scripts/values_table.py
+	python scripts/chart_data.py
+
 .PHONY: image
 image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cuda).
 	bash scripts/image.sh build

@@ -7,11 +7,13 @@ maps and lists of strings its schema declares), so a value is covered the day it
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from tests.helm_template import CHART, HelmError, by_kind, container, helm_binaries, render_chart
+from tests.helm_template import CHART, ROOT, HelmError, by_kind, container, helm_binaries, render_chart
 
 HELMS = helm_binaries()
 pytestmark = pytest.mark.skipif(not HELMS, reason="no helm binary; run `make setup`")
@@ -357,12 +359,6 @@ def test_no_string_value_escapes_its_field(slot, payload):
 
 # ---------------------------------------------------------------- the chart's copies of Python facts
 
-def _helper_list(name: str) -> list[str]:
-    text = (CHART / "templates" / "_validate.tpl").read_text()
-    body = text[text.index(f'define "deepspeed-training.{name}"'):]
-    return re.findall(r'"([^"]+)"', body[body.index("list "):body.index("| toJson")])
-
-
 def _runner_flags() -> dict[str, str]:
     text = (CHART / "templates" / "_validate.tpl").read_text()
     body = text[text.index('define "deepspeed-training.userRunnerFlags"'):]
@@ -370,9 +366,12 @@ def _runner_flags() -> dict[str, str]:
     return dict(zip(items[::2], items[1::2], strict=True))
 
 
-def test_the_chart_knows_the_ds_config_keys_the_python_check_knows():
-    from train import dsconfig
-    assert set(_helper_list("dsConfigKeys")) == set(dsconfig.TOP_LEVEL_KEYS)
+def test_the_charts_ds_config_keys_are_generated_from_the_python_check_and_not_stale():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "chart_data.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with pytest.raises(HelmError, match="unknown top-level key \"trian_batch_size\""):
+        render_chart({"deepspeed": {"config": {"train_micro_batch_size_per_gpu": 1, "trian_batch_size": 8}}})
 
 
 RUNNER_EXAMPLES = {"--bind_cores_to_rank": "--bind_cores_to_rank", "--bind_core_list": "--bind_core_list=0-3,8",

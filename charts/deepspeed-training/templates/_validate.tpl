@@ -310,8 +310,9 @@ pastes into the remote shell as code (--launcher_args, --venv_script).
 {{- end }}
 
 {{/*
-The ds_config rules a template can express, mirroring train/dsconfig.py (the one check the glue and every
-rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agrees with the world size.
+The ds_config rules a template can express, for `helm install` without the glue: it serialises, top-level keys
+are DeepSpeed's (files/generated/ds_config_keys.json, generated from train/dsconfig.py), the batch agrees with
+the data-parallel ranks. train/dsconfig.py owns them all (the glue and every rank run it).
 */}}
 {{- define "deepspeed-training.validateDsConfig" -}}
 {{- $config := .Values.deepspeed.config }}
@@ -326,7 +327,7 @@ rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agr
 {{- end }}
 {{- end }}
 {{- end }}
-{{- $known := include "deepspeed-training.dsConfigKeys" . | fromJsonArray }}
+{{- $known := (.Files.Get "files/generated/ds_config_keys.json" | fromJson).topLevelKeys }}
 {{- range $key, $_ := $config }}
 {{- if not (has $key $known) }}
 {{- fail (printf "deepspeed.config: unknown top-level key %q; DeepSpeed would silently ignore it. Known keys: %s" $key (join ", " $known)) }}
@@ -365,12 +366,6 @@ rank run): it serialises, top-level keys are DeepSpeed's (schema), the batch agr
 {{- fail (printf "%s: \"auto\" is filled in only by programs that do so (Hugging Face Trainer, Accelerate); DeepSpeed itself drops it silently. Give a value, or set train.fillsDsConfigAuto: true for such a program" (splitList " " $autos | join ", ")) }}
 {{- end }}
 {{- end }}
-{{- end }}
-
-{{/* The top-level ds_config keys DeepSpeed reads: a copy of train/dsconfig.py's TOP_LEVEL_KEYS (a test keeps
-them equal). */}}
-{{- define "deepspeed-training.dsConfigKeys" -}}
-{{- list "activation_checkpointing" "aio" "amp" "autotuning" "bf16" "bfloat16" "checkpoint" "comet" "comms_logger" "communication_data_type" "compile" "compression_training" "csv_monitor" "curriculum_learning" "data_efficiency" "data_types" "dataloader_drop_last" "datastates_ckpt" "disable_allgather" "disable_python_gc" "dump_state" "eigenvalue" "elasticity" "expert_parallel" "flops_profiler" "fp16" "gradient_accumulation_steps" "gradient_allreduce_op" "gradient_clipping" "gradient_predivide_factor" "graph_harvesting" "hybrid_engine" "log_level" "managed_gradient_accumulation" "memory_breakdown" "nebula" "optimizer" "pipeline" "prescale_gradients" "progressive_layer_drop" "quantize_training" "scheduler" "seq_parallel_communication_data_type" "sequence_parallel_size" "sparse_attention" "sparse_gradients" "steps_per_print" "tensor_parallel" "tensorboard" "timers" "torch_autocast" "train_batch_size" "train_micro_batch_size_per_gpu" "use_data_before_expert_parallelism" "vocabulary_size" "wall_clock_breakdown" "wandb" "weight_quantization" "zero_allow_untested_optimizer" "zero_force_ds_cpu_optimizer" "zero_optimization" | toJson }}
 {{- end }}
 
 {{/* Dotted paths of the "auto" values in a ds_config subtree, space-separated. */}}
