@@ -1,5 +1,5 @@
 """Data the chart needs from the code that owns it, generated, never typed twice: the ds_config top-level keys
-DeepSpeed reads (train/dsconfig.py TOP_LEVEL_KEYS), which the chart's render-time check refuses others than.
+DeepSpeed reads (train/deepspeed_mirror.py TOP_LEVEL_KEYS), which the chart's render-time check refuses others than.
 
     python scripts/chart_data.py           # rewrite charts/deepspeed-training/files/generated/
     python scripts/chart_data.py --check   # exit 1 if it is stale
@@ -13,13 +13,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train.dsconfig import TOP_LEVEL_KEYS  # noqa: E402
+from train.deepspeed_mirror import TOP_LEVEL_KEYS  # noqa: E402
 
 TARGET = ROOT / "charts" / "deepspeed-training" / "files" / "generated" / "ds_config_keys.json"
 
 
 def render() -> str:
-    return json.dumps({"generated": "by scripts/chart_data.py from train/dsconfig.py TOP_LEVEL_KEYS; do not edit",
+    return json.dumps({"generated": "by scripts/chart_data.py from train/deepspeed_mirror.py; do not edit",
                        "topLevelKeys": sorted(TOP_LEVEL_KEYS)}, indent=1) + "\n"
 
 

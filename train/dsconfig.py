@@ -7,6 +7,9 @@ and many mistakes pass its parser only to crash every rank inside `deepspeed.ini
 or parameter its constructor does not take, `steps_per_print: 0`, NVMe offload without a path, a monitor whose
 package is missing) or to end every rank with exit 0 (the comms logger on object collectives). `validate`
 refuses all of these before anything starts, each error naming the source and the key.
+
+Our rules live here; what copies DeepSpeed's own behaviour (the keys it reads, how it picks an optimizer or a
+scheduler class) is train/deepspeed_mirror.py, which names the DeepSpeed code and version it mirrors.
 """
 
 import copy
@@ -18,25 +21,9 @@ import math
 import re
 from pathlib import Path
 
+from train import deepspeed_mirror as mirror
 from train import yamlfile
 from train.layout import Layout
-
-# Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the section configs it builds).
-TOP_LEVEL_KEYS = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
-    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
-    "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt",
-    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
-    "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping",
-    "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level",
-    "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer", "pipeline",
-    "prescale_gradients", "progressive_layer_drop", "quantize_training", "scheduler",
-    "seq_parallel_communication_data_type", "sequence_parallel_size", "sparse_attention",
-    "sparse_gradients", "steps_per_print", "tensor_parallel", "tensorboard", "timers", "torch_autocast",
-    "train_batch_size", "train_micro_batch_size_per_gpu", "use_data_before_expert_parallelism",
-    "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "zero_optimization",
-})
 
 
 class DsConfigError(ValueError):
@@ -159,11 +146,11 @@ def validate(config: dict, layout: Layout, source: str, *, fills_auto: bool = Fa
              ) -> tuple[int | None, int | None, int | None]:
     """Checks `config` for the ranks of `layout`; returns batch_sizes(). `fills_auto`: the program fills the
     `"auto"` values (Hugging Face Trainer, Accelerate); otherwise they are refused. Raises DsConfigError."""
-    unknown = sorted(set(config) - TOP_LEVEL_KEYS)
+    unknown = sorted(set(config) - mirror.TOP_LEVEL_KEYS)
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key, TOP_LEVEL_KEYS, n=1)
+            close = difflib.get_close_matches(key, mirror.TOP_LEVEL_KEYS, n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise DsConfigError(
             f"ds_config {source}: unknown top-level key {', '.join(hints)}; DeepSpeed would silently ignore it")
@@ -272,18 +259,10 @@ def check_precision(config: dict, accelerator, source: str) -> None:
                                 f"of these ranks does not support {section}; turn it off or use GPU workers")
 
 
-# The keys DeepSpeed reads in these sections (deepspeed/runtime/config.py get_optimizer_params/
-# get_scheduler_params, 0.19.8): anything beside them, `lr` above `params` say, is silently ignored.
-SECTION_KEYS = {"optimizer": {"type", "params", "legacy_fusion"}, "scheduler": {"type", "params"}}
-# Schedulers with a total step count, and the params that hold it and their warmup (deepspeed/runtime/lr_schedules).
-SCHEDULE_LENGTH = {"WarmupDecayLR": ("total_num_steps", "warmup_num_steps"),
-                   "WarmupCosineLR": ("total_num_steps", "warmup_num_steps")}
-
-
 def _check_silently_ignored(config: dict, source: str) -> None:
     """Settings DeepSpeed accepts and then ignores or applies otherwise, so a run trains something else than its
     config says."""
-    for section, known in SECTION_KEYS.items():
+    for section, known in mirror.SECTION_KEYS.items():
         extra = sorted(set(config.get(section) or {}) - known) if isinstance(config.get(section), dict) else []
         if extra:
             raise DsConfigError(f"ds_config {source}: {section}.{extra[0]}: DeepSpeed reads only "
@@ -298,7 +277,7 @@ def _check_silently_ignored(config: dict, source: str) -> None:
         raise DsConfigError(f"ds_config {source}: zero_optimization.offload_param: parameters are offloaded with ZeRO "
                             f"stage 3 only; with stage {stage} DeepSpeed ignores it (use offload_optimizer)")
     scheduler = config.get("scheduler") or {}
-    keys = SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
+    keys = mirror.SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
     params = scheduler.get("params") if isinstance(scheduler, dict) else None
     if keys and isinstance(params, dict):
         total, warmup = (params.get(key) for key in keys)
@@ -311,7 +290,7 @@ def check_schedule_length(config: dict, steps: int, source: str) -> None:
     """A scheduler with its own total step count must end with the run (the train package's `steps`): one that
     decays over another count trains with another schedule than the config says."""
     scheduler = config.get("scheduler") or {}
-    keys = SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
+    keys = mirror.SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
     total = (scheduler.get("params") or {}).get(keys[0]) if keys else None
     if isinstance(total, int) and not isinstance(total, bool) and total != steps:
         raise DsConfigError(f"ds_config {source}: scheduler.params.{keys[0]} {total}, but the run trains {steps} "
@@ -390,47 +369,6 @@ def _bind(params: dict, target, owner: str, key_path: str, source: str, *, passe
             raise DsConfigError(f"ds_config {source}: {key_path} needs {', '.join(missing)} ({owner})")
 
 
-def _optimizer_target(name: str, params: dict, config: dict):
-    """(constructor, parameters DeepSpeed pops or passes itself) for optimizer `name`, as
-    DeepSpeedEngine._configure_basic_optimizer picks it, or None for a name it does not know."""
-    import torch
-    from deepspeed.runtime import config as ds
-
-    zero = config.get("zero_optimization", {})
-    offload = (zero.get("offload_optimizer") or {}).get("device") if isinstance(zero, dict) else None
-    cpu_optimizer = offload in ("cpu", "nvme")
-    lower = name.lower()
-    if lower in (ds.ADAM_OPTIMIZER, ds.ADAMW_OPTIMIZER):
-        popped = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
-        if params.get("torch_adam"):
-            return torch.optim.AdamW, (*popped, "foreach")
-        if cpu_optimizer:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-            return DeepSpeedCPUAdam, (*popped, "adamw_mode")
-        from deepspeed.ops.adam import FusedAdam
-        return FusedAdam, popped
-    if lower == ds.ADAGRAD_OPTIMIZER:
-        if cpu_optimizer:
-            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
-            return DeepSpeedCPUAdagrad, ()
-        return torch.optim.Adagrad, ()
-    if lower == ds.LAMB_OPTIMIZER:
-        from deepspeed.ops.lamb import FusedLamb
-        return FusedLamb, ()
-    if lower == ds.LION_OPTIMIZER:
-        if cpu_optimizer:
-            from deepspeed.ops.lion import DeepSpeedCPULion
-            return DeepSpeedCPULion, ()
-        from deepspeed.ops.lion import FusedLion
-        return FusedLion, ()
-    if lower in (ds.MUADAM_OPTIMIZER, ds.MUADAMW_OPTIMIZER, ds.MUSGD_OPTIMIZER, ds.MUON_OPTIMIZER):
-        return "unchecked", ()  # mup's and Muon's parameter groups: DeepSpeed's own checks apply
-    target = getattr(torch.optim, name, None)
-    if isinstance(target, type) and issubclass(target, torch.optim.Optimizer):
-        return target, ()
-    return None, ()
-
-
 def _check_optimizer(config: dict, source: str) -> None:
     optimizer = config.get("optimizer")
     if optimizer is None:
@@ -446,7 +384,7 @@ def _check_optimizer(config: dict, source: str) -> None:
     if name == "LBFGS":
         raise DsConfigError(f"ds_config {source}: optimizer.type LBFGS needs a closure at every step, which "
                             "DeepSpeed's engine.step() never passes")
-    target, passed = _optimizer_target(name, params, config)
+    target, passed = mirror.optimizer_target(name, params, config)
     if target is None:
         import torch
         from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
@@ -503,21 +441,11 @@ def _check_scheduler(config: dict, source: str) -> None:
     scheduler = config.get("scheduler")
     if scheduler is None:
         return
-    import torch
-    from deepspeed.runtime import lr_schedules
-
     name, params = scheduler.get("type"), scheduler.get("params", {})
     if not isinstance(params, dict):
         raise DsConfigError(f"ds_config {source}: scheduler.params must be an object, got {params!r}")
-    torch_schedulers = sorted(n for n, c in vars(torch.optim.lr_scheduler).items() if isinstance(c, type)
-                              and issubclass(c, torch.optim.lr_scheduler.LRScheduler) and not n.startswith("_")
-                              and c is not torch.optim.lr_scheduler.LRScheduler)
-    if name in lr_schedules.VALID_LR_SCHEDULES:
-        target = getattr(lr_schedules, name)
-    elif name in torch_schedulers:
-        target = getattr(torch.optim.lr_scheduler, name)
-    else:
-        known = list(lr_schedules.VALID_LR_SCHEDULES) + torch_schedulers
+    target, known = mirror.scheduler_target(name)
+    if target is None:
         close = difflib.get_close_matches(str(name), known, n=1)
         raise DsConfigError(f"ds_config {source}: scheduler.type {name!r} is neither a DeepSpeed nor a torch "
                             "scheduler" + (f" (did you mean {close[0]!r}?)" if close else "")
@@ -529,7 +457,6 @@ def _check_scheduler(config: dict, source: str) -> None:
     if not auto_keys(params):  # the constructor's own checks (warmup_num_steps > 0, ...), on a stand-in optimizer
         import logging
 
-        import torch
         quiet = logging.getLogger("DeepSpeed")
         level, quiet.level = quiet.level, logging.ERROR  # its schedulers warn when asked for an lr before a step
         try:
@@ -547,7 +474,7 @@ def _stand_in_optimizer(config: dict):
     import torch
     optimizer = config.get("optimizer") or {}
     name, params = optimizer.get("type", ""), dict(optimizer.get("params") or {})
-    target, passed = _optimizer_target(name, params, config) if name else (None, ())
+    target, passed = mirror.optimizer_target(name, params, config) if name else (None, ())
     parameter = [torch.nn.Parameter(torch.zeros(1))]
     if isinstance(target, type) and target.__module__.startswith("torch.") and not auto_keys(params):
         try:

@@ -311,7 +311,7 @@ pastes into the remote shell as code (--launcher_args, --venv_script).
 
 {{/*
 The ds_config rules a template can express, for `helm install` without the glue: it serialises, top-level keys
-are DeepSpeed's (files/generated/ds_config_keys.json, generated from train/dsconfig.py), the batch agrees with
+are DeepSpeed's (files/generated/ds_config_keys.json, generated from train/deepspeed_mirror.py), the batch agrees with
 the data-parallel ranks. train/dsconfig.py owns them all (the glue and every rank run it).
 */}}
 {{- define "deepspeed-training.validateDsConfig" -}}

@@ -1,0 +1,90 @@
+"""What DeepSpeed does with a ds_config internally, copied here so that train/dsconfig.py can check a config
+without building an engine. Each piece names the DeepSpeed code it mirrors, as of DeepSpeed 0.19.8 (the pin in
+pyproject.toml): a DeepSpeed upgrade re-reads this file, and only this file. Our own rules stay in dsconfig.py.
+"""
+
+# Top-level keys DeepSpeed reads (deepspeed/runtime/config.py and the section configs it builds).
+TOP_LEVEL_KEYS = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
+    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt",
+    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
+    "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping",
+    "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level",
+    "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer", "pipeline",
+    "prescale_gradients", "progressive_layer_drop", "quantize_training", "scheduler",
+    "seq_parallel_communication_data_type", "sequence_parallel_size", "sparse_attention",
+    "sparse_gradients", "steps_per_print", "tensor_parallel", "tensorboard", "timers", "torch_autocast",
+    "train_batch_size", "train_micro_batch_size_per_gpu", "use_data_before_expert_parallelism",
+    "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "zero_optimization",
+})
+
+
+# The keys DeepSpeed reads in these sections (deepspeed/runtime/config.py get_optimizer_params/
+# get_scheduler_params, 0.19.8): anything beside them, `lr` above `params` say, is silently ignored.
+SECTION_KEYS = {"optimizer": {"type", "params", "legacy_fusion"}, "scheduler": {"type", "params"}}
+# Schedulers with a total step count, the params that hold it and their warmup (deepspeed/runtime/lr_schedules.py).
+SCHEDULE_LENGTH = {"WarmupDecayLR": ("total_num_steps", "warmup_num_steps"),
+                   "WarmupCosineLR": ("total_num_steps", "warmup_num_steps")}
+
+
+def optimizer_target(name: str, params: dict, config: dict):
+    """(constructor, parameters DeepSpeed pops or passes itself) for optimizer `name`, or None for a name it does
+    not know. Mirrors DeepSpeedEngine._configure_basic_optimizer (deepspeed/runtime/engine.py)."""
+    import torch
+    from deepspeed.runtime import config as ds
+
+    zero = config.get("zero_optimization", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device") if isinstance(zero, dict) else None
+    cpu_optimizer = offload in ("cpu", "nvme")
+    lower = name.lower()
+    if lower in (ds.ADAM_OPTIMIZER, ds.ADAMW_OPTIMIZER):
+        popped = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
+        if params.get("torch_adam"):
+            return torch.optim.AdamW, (*popped, "foreach")
+        if cpu_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            return DeepSpeedCPUAdam, (*popped, "adamw_mode")
+        from deepspeed.ops.adam import FusedAdam
+        return FusedAdam, popped
+    if lower == ds.ADAGRAD_OPTIMIZER:
+        if cpu_optimizer:
+            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+            return DeepSpeedCPUAdagrad, ()
+        return torch.optim.Adagrad, ()
+    if lower == ds.LAMB_OPTIMIZER:
+        from deepspeed.ops.lamb import FusedLamb
+        return FusedLamb, ()
+    if lower == ds.LION_OPTIMIZER:
+        if cpu_optimizer:
+            from deepspeed.ops.lion import DeepSpeedCPULion
+            return DeepSpeedCPULion, ()
+        from deepspeed.ops.lion import FusedLion
+        return FusedLion, ()
+    if lower in (ds.MUADAM_OPTIMIZER, ds.MUADAMW_OPTIMIZER, ds.MUSGD_OPTIMIZER, ds.MUON_OPTIMIZER):
+        return "unchecked", ()  # mup's and Muon's parameter groups: DeepSpeed's own checks apply
+    target = getattr(torch.optim, name, None)
+    if isinstance(target, type) and issubclass(target, torch.optim.Optimizer):
+        return target, ()
+    return None, ()
+
+
+
+
+def scheduler_target(name) -> tuple[object, list[str]]:
+    """(scheduler class or None, the names DeepSpeed takes) for scheduler `name`. Mirrors
+    DeepSpeedEngine._scheduler_from_config (deepspeed/runtime/engine.py): DeepSpeed's own schedules
+    (lr_schedules.VALID_LR_SCHEDULES), else torch.optim.lr_scheduler's classes."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    torch_schedulers = sorted(n for n, c in vars(torch.optim.lr_scheduler).items() if isinstance(c, type)
+                              and issubclass(c, torch.optim.lr_scheduler.LRScheduler) and not n.startswith("_")
+                              and c is not torch.optim.lr_scheduler.LRScheduler)
+    known = list(lr_schedules.VALID_LR_SCHEDULES) + torch_schedulers
+    if name in lr_schedules.VALID_LR_SCHEDULES:
+        return getattr(lr_schedules, name), known
+    if name in torch_schedulers:
+        return getattr(torch.optim.lr_scheduler, name), known
+    return None, known
