@@ -260,6 +260,30 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layou
     return tag
 
 
+class Checkpointer:
+    """Owns the save cadence: every `every` steps (0: none on the way), at the last step, and when the ranks
+    stop (SIGTERM). save() runs on every rank, as DeepSpeed needs."""
+
+    def __init__(self, engine, ckpt_dir: Path, every: int, keep: int, layout: dict, ds_config: dict,
+                 start_step: int):
+        self.engine, self.ckpt_dir, self.every, self.keep = engine, ckpt_dir, every, keep
+        self.layout, self.ds_config = layout, ds_config
+        self.last_saved = start_step
+
+    def due(self, step: int, last_step: bool, stopping: bool) -> bool:
+        return stopping or last_step or bool(self.every and step % self.every == 0)
+
+    def save(self, step: int, client_state: dict, last_step: bool = False, stopping: bool = False
+             ) -> tuple[Path, float] | None:
+        """(the committed tag's dir, seconds it took) when a save is due at `step`, else None."""
+        if not self.due(step, last_step, stopping):
+            return None
+        started = time.perf_counter()
+        tag = save(self.engine, self.ckpt_dir, step, client_state, self.keep, self.layout, self.ds_config)
+        self.last_saved = step
+        return self.ckpt_dir / tag, time.perf_counter() - started
+
+
 def prune(ckpt_dir: Path, keep: int) -> None:
     """Keeps the `keep` newest complete checkpoints and deletes every other tag, and universal copies of tags
     that are gone."""

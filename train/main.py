@@ -6,7 +6,6 @@ import os
 import resource
 import signal
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +22,7 @@ from train.data import DataError, make_data, samples
 from train.layout import Layout, LayoutError
 from train.model import GPT, build_model, count_parameters
 from train.pipeline import PipelineGPT, stage_plan
+from train.progress import Progress
 
 logger = logging.getLogger("train")
 EXIT_SIGTERM = 143  # non-zero, so a Job retries and the next attempt resumes from the saved checkpoint
@@ -51,12 +51,6 @@ class StopFlag:
     def _handle(self, signum, frame):
         self.requested = True
         rankstate.report("stopping")
-
-
-def format_eta(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 @dataclass
@@ -265,9 +259,10 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
     losses: list[tuple[int, float]] = []
     tokens_per_step = global_batch * cfg.model.seq_len
-    last_saved = last_logged = start_step
-    started = interval_start = time.perf_counter()
-    checkpoint_s = 0.0  # time spent saving, kept out of the throughput figures
+    progress = Progress(logger, cfg.steps, start_step, cfg.log_every, tokens_per_step, global_batch,
+                        lambda tokens_per_s: use.of(tokens_per_s, world_size))
+    saver = checkpoint.Checkpointer(engine, ckpt_dir, cfg.checkpoint_every, cfg.keep_checkpoints, layout,
+                                    inputs.ds_config, start_step) if ckpt_dir else None
     status = 0
     for step in range(start_step + 1, cfg.steps + 1):
         step_loss, position = train_step(engine, inputs, position)
@@ -277,40 +272,24 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
             rankstate.report("training")  # from here a SIGTERM has something to save
         if engine.monitor.enabled and rank == 0:  # ds_config's tensorboard / csv_monitor / wandb sections
             engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
-
-        if step % cfg.log_every == 0 or step == cfg.steps or stopping:
-            now = time.perf_counter()
-            interval_steps, last_logged = step - last_logged, step
-            per_step = (now - started) / (step - start_step)
-            tokens_per_s = tokens_per_step * interval_steps / (now - interval_start)
-            utilised = use.of(tokens_per_s, world_size)
-            logger.info(
-                f"step {step}/{cfg.steps} | loss {mean_loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                f"{tokens_per_s:,.0f} tokens/s | {global_batch * interval_steps / (now - interval_start):.1f} "
-                f"samples/s | {'' if utilised is None else f'mfu {utilised:.1%} | '}"
-                f"eta {format_eta(per_step * (cfg.steps - step))}")
-            interval_start = now
-        if ckpt_dir and (stopping or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-            save_started = time.perf_counter()
-            tag = checkpoint.save(engine, ckpt_dir, step, {"step": step, "data_position": position},
-                                  cfg.keep_checkpoints, layout, inputs.ds_config)
-            saved_in = time.perf_counter() - save_started
-            checkpoint_s += saved_in
-            interval_start += saved_in
-            last_saved = step
-            logger.info(f"saved checkpoint {ckpt_dir / tag} in {saved_in:.1f}s")
+        progress.step(step, mean_loss, engine.get_lr()[0], force=stopping)
+        saved = saver.save(step, {"step": step, "data_position": position}, last_step=step == cfg.steps,
+                           stopping=stopping) if saver else None
+        if saved:
+            progress.pause(saved[1])
+            logger.info(f"saved checkpoint {saved[0]} in {saved[1]:.1f}s")
         if stopping:
-            saved = f", checkpoint at step {last_saved}" if ckpt_dir else ""
-            logger.warning(f"SIGTERM: stopped at step {step}{saved}")
+            logger.warning(f"SIGTERM: stopped at step {step}" + (f", checkpoint at step {saver.last_saved}"
+                                                                  if saver else ""))
             status = EXIT_SIGTERM
             break
 
-    elapsed = time.perf_counter() - started
+    elapsed = progress.elapsed()
     peak_rss = [0.0] * world_size  # MiB per rank, for metrics.json
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if losses:  # a run with nothing left to do keeps the last metrics
         if rank == 0 and ckpt_dir:
-            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, checkpoint_s, world_size, peak_rss, use)
+            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, progress.paused_s, world_size, peak_rss, use)
         logger.info(f"done: {len(losses)} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
     return status
 

@@ -1,0 +1,46 @@
+"""The rank-0 progress line and the interval timing behind it, in one object the training loop calls once a step:
+`step 40/1000 | loss 3.2101 | lr 3.000e-04 | 51,234 tokens/s | 400.3 samples/s | mfu 41.0% | eta 1:02:03`.
+Time the loop reports as paused (checkpoint saves) is kept out of the throughput figures."""
+
+import time
+from collections.abc import Callable
+
+
+def format_eta(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class Progress:
+    def __init__(self, logger, steps: int, start_step: int, log_every: int, tokens_per_step: int, global_batch: int,
+                 mfu_of: Callable[[float], float | None]):
+        self.logger, self.steps, self.start_step, self.log_every = logger, steps, start_step, log_every
+        self.tokens_per_step, self.global_batch, self.mfu_of = tokens_per_step, global_batch, mfu_of
+        self.started = self.interval_start = time.perf_counter()
+        self.last_logged = start_step
+        self.paused_s = 0.0
+
+    def step(self, step: int, loss: float, lr: float, force: bool = False) -> None:
+        """Logs the line every log_every steps, at the last step, and when `force`d (a stop)."""
+        if not (step % self.log_every == 0 or step == self.steps or force):
+            return
+        now = time.perf_counter()
+        interval_steps, self.last_logged = step - self.last_logged, step
+        interval = now - self.interval_start
+        per_step = (now - self.started) / (step - self.start_step)
+        tokens_per_s = self.tokens_per_step * interval_steps / interval
+        utilised = self.mfu_of(tokens_per_s)
+        self.logger.info(
+            f"step {step}/{self.steps} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s | "
+            f"{self.global_batch * interval_steps / interval:.1f} samples/s | "
+            f"{'' if utilised is None else f'mfu {utilised:.1%} | '}eta {format_eta(per_step * (self.steps - step))}")
+        self.interval_start = now
+
+    def pause(self, seconds: float) -> None:
+        """`seconds` spent outside training (a checkpoint save): left out of tokens/s."""
+        self.paused_s += seconds
+        self.interval_start += seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
