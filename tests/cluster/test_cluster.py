@@ -8,6 +8,7 @@ Each test installs into a namespace of its own, with values sized for a 2-CPU no
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -239,20 +240,26 @@ def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_pla
 
 def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_template(namespace, shared_claim):
     """Seen before the fix: the new launcher passed its worker check against the OLD pods at once, pdsh then hit
-    a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds."""
+    a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds.
+    The runs are endless (150 steps take 2 s here: the first run could end before the upgrade lands); the test
+    needs the new launcher's first run to resume and train on, not to finish."""
     values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10}}
-    install(namespace, steps=150, launcher={"scaleDownWorkers": False}, **values)
+    install(namespace, steps=100000, launcher={"scaleDownWorkers": False}, **values)
     wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
              lambda: diagnose(namespace))
     # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
-    install(namespace, steps=150, action="upgrade", launcher={"scaleDownWorkers": False},
+    install(namespace, steps=100000, action="upgrade", launcher={"scaleDownWorkers": False},
             worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
     second = f"{RELEASE}-deepspeed-training-launcher-2"
-    outcome = wait_for(lambda: job_outcome(namespace, second), 400, "the new launcher to finish",
-                       lambda: diagnose(namespace))
-    logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace)
-    assert outcome == "Complete", diagnose(namespace)
+
+    def trained_on_after_resuming() -> str | None:
+        logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace, check=False)
+        resumed = re.search(r"resumed from /checkpoints/step_(\d+) at step", logs)
+        steps = [int(n) for n in re.findall(r"INFO step (\d+)/", logs)]
+        return logs if resumed and steps and max(steps) >= int(resumed.group(1)) + 20 else None
+
+    logs = wait_for(trained_on_after_resuming, 400, "the new launcher to resume and train 20 steps",
+                    lambda: diagnose(namespace))
     assert not get("job", second, namespace)["status"].get("failed")
     assert "launcher: retry" not in logs, logs[:logs.index("launcher: retry")][-8000:]  # the failed first run
-    assert "resumed from /checkpoints/step_" in logs and "INFO step 150/150" in logs
     print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
