@@ -2,8 +2,8 @@
 # Launcher pod entrypoint (launchMode ssh). Usage: launcher.sh DEEPSPEED_COMMAND...
 # Waits for every worker (of the current template), clears ranks left by an earlier attempt, runs the DeepSpeed
 # command, and after a failure runs it again up to DS_RUN_RETRIES times (all ranks together, each run resuming
-# from the last complete checkpoint). Its exit status is the last run's; after a success it scales the workers
-# to 0 when DS_SCALE_DOWN_WORKERS=true.
+# from the last complete checkpoint; retry_verdict in run-child.sh decides). Its exit status is the last run's
+# (143 after a stop); after a success it scales the workers to 0 when DS_SCALE_DOWN_WORKERS=true.
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "launcher: $*"; }
@@ -49,15 +49,8 @@ for ((attempt = 0; ; attempt++)); do
   fi
   log "clearing ranks still running on the workers"
   pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
-  if [[ -n "$stopping" ]]; then
-    exit "$rc"
-  elif ((rc == 2)); then
-    log "status 2 is a configuration error (bad arguments or input files): not retried"
-    exit 2
-  elif ((attempt >= retries)); then
-    log "no retries left (job.runRetries=$retries); failing the pod"
-    exit "$rc"
-  fi
+  retry_verdict "$attempt"
+  [[ "$verdict" == retry ]] || exit "$verdict"
   log "retry $((attempt + 1)) of $retries: starting the run again, from the last complete checkpoint"
 done
 if [[ "${DS_SCALE_DOWN_WORKERS:-false}" == true ]]; then

@@ -28,16 +28,8 @@ for ((attempt = 0; ; attempt++)); do
   log "running: $1 --node_rank=$node_rank ${*:2}"
   run_in_background "$1" "--node_rank=$node_rank" "${@:2}"
   log "DeepSpeed exited with status $rc"
-  if ((rc == 0)); then
-    exit 0
-  elif [[ -n "$stopping" ]]; then
-    exit 143
-  elif ((rc == 2)); then
-    log "status 2 is a configuration error (bad arguments or input files): not retried"
-    exit 2
-  elif ((attempt >= retries)); then
-    log "no retries left (job.runRetries=$retries); failing the pod"
-    exit "$rc"
-  fi
+  ((rc == 0)) && exit 0
+  retry_verdict "$attempt"
+  [[ "$verdict" == retry ]] || exit "$verdict"
   log "retry $((attempt + 1)) of $retries: meeting the other workers at the start barrier"
 done
