@@ -121,8 +121,15 @@ class Rendered:
     warnings: list[str]  # what may fail on the workers but cannot be known here; the plan prints them
 
 
+# JSON Schema's "integer" takes 4.0; DeepSpeed and Kubernetes do not, and a float passed on would be refused later,
+# in a derived key of a rendered file instead of the user's key and layer.
+SchemaValidator = jsonschema.validators.extend(jsonschema.Draft7Validator, type_checker=(
+    jsonschema.Draft7Validator.TYPE_CHECKER.redefine("integer", lambda _, value: isinstance(value, int)
+                                                     and not isinstance(value, bool))))
+
+
 def check_schema(instance: dict, schema: dict, origin: dict, prefix: tuple, what: str) -> None:
-    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(instance), key=lambda e: list(e.absolute_path))
+    errors = sorted(SchemaValidator(schema).iter_errors(instance), key=lambda e: list(e.absolute_path))
     lines = []
     for e in errors[:10]:
         path = (*prefix, *e.absolute_path)

@@ -59,11 +59,11 @@ BAD = {
     "duplicate nested key": (lambda t: ds(t, text='{"train_micro_batch_size_per_gpu": 1, "zero_optimization": '
                                                   '{"stage": 1, "stage": 3}}'), ["ds.json", "'stage' appears twice"]),
     "NaN": (lambda t: ds(t, text='{"train_micro_batch_size_per_gpu": 1, "gradient_clipping": NaN}'),
-            ["ds.json", "NaN"]),
+            ["ds.json", "gradient_clipping is nan"]),
     "Infinity": (lambda t: ds(t, text='{"train_micro_batch_size_per_gpu": 1, "gradient_clipping": Infinity}'),
-                 ["ds.json", "Infinity"]),
+                 ["ds.json", "gradient_clipping is inf"]),
     "-Infinity": (lambda t: ds(t, text='{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", '
-                                       '"params": {"lr": -Infinity}}}'), ["ds.json", "-Infinity"]),
+                                       '"params": {"lr": -Infinity}}}'), ["ds.json", "optimizer.params.lr is -inf"]),
     "ds_config is a device": (lambda t: ["--ds-config", "/dev/zero"], ["/dev/zero", "not a regular file"]),
     "huge ds_config": (lambda t: ds(t, text='{"a": "' + "x" * 5_000_000 + '"}'), ["ds.json", "bytes"]),
     "nested too deeply": (lambda t: ds(t, text='{"a": ' + "[" * 100000 + "]" * 100000 + "}"), ["ds.json"]),

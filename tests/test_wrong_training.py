@@ -91,3 +91,21 @@ def test_a_rank_refuses_a_schedule_of_another_length_than_its_run(tmp_path):
     proc = run_single(["--ds-config", str(write_ds_config(tmp_path, config)), "--steps", "10"])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "scheduler.params.total_num_steps 40, but the run trains 10 steps" in proc.stdout
+
+
+@pytest.mark.parametrize("key_path, value, expected", [
+    (("dev.yaml", "deepspeed", "microBatch"), 4.0,
+     "values/dev.yaml: deepspeed.microBatch: 4.0 is not of type 'integer'"),
+    (("dev.yaml", "chart", "worker", "replicas"), 2.0, "values/dev.yaml: chart.worker.replicas: 2.0 is not of type"),
+])
+def test_a_float_for_an_integer_is_refused_at_the_users_key_not_a_derived_one(tree, capsys, key_path, value, expected):
+    set_key(*key_path, value)(tree)
+    code, out, err = run("plan", "--env", "dev", capsys=capsys)
+    assert code == 1 and expected in err, err
+
+
+def test_nan_in_a_ds_config_file_names_the_key(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "optimizer": {"params": {"lr": NaN}}}')
+    with pytest.raises(dsconfig.DsConfigError, match=f"ds_config {path}: optimizer.params.lr is nan"):
+        dsconfig.load(path)

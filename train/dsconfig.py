@@ -60,17 +60,15 @@ def load(path: str | Path) -> dict:
                 raise DsConfigError(f"ds_config {path}: key {key!r} appears twice in one object")
         return dict(pairs)
 
-    def no_constant(name):
-        raise DsConfigError(f"ds_config {path}: {name} is not a JSON number; use a finite number")
-
-    try:
-        config = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
+    try:  # NaN and Infinity load as floats, so that _check_numbers below names the key that holds one
+        config = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=float)
     except json.JSONDecodeError as err:
         raise DsConfigError(f"ds_config {path}: not valid JSON: {err}") from None
     except RecursionError:
         raise DsConfigError(f"ds_config {path}: nested too deeply") from None
     if not isinstance(config, dict):
         raise DsConfigError(f"ds_config {path}: expected a JSON object at the top level")
+    _check_numbers(config, str(path))
     return config
 
 
