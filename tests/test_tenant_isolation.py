@@ -96,7 +96,7 @@ ARG_CASES = {f"{convention} {arg}": (convention, arg) for convention, options in
 @pytest.mark.parametrize("case", ARG_CASES, ids=ARG_CASES.keys())
 def test_train_args_cannot_replace_the_charts_ds_config_or_checkpoint_dir(case):
     convention, arg = ARG_CASES[case]
-    values = {"train": {"argsConvention": convention, "script": "" if convention == "train" else "/data/p.py",
+    values = {"train": {"argsConvention": convention, "script": "" if convention == "train" else "/app/p.py",
                         "args": ["--steps=10", arg]}}
     with pytest.raises(HelmError) as err:
         render_chart(values)
@@ -104,7 +104,7 @@ def test_train_args_cannot_replace_the_charts_ds_config_or_checkpoint_dir(case):
 
 
 def test_train_args_of_the_program_itself_are_untouched():
-    docs = render_chart({"train": {"argsConvention": "huggingface", "script": "/data/p.py",
+    docs = render_chart({"train": {"argsConvention": "huggingface", "script": "/app/p.py",
                                    "args": ["--do_train", "--output_dir_suffix=x", "--deepspeed_plugin=y"]}})
     args = container(one(docs, "Job"))["args"]
     assert args[-3:] == ["--do_train", "--output_dir_suffix=x", "--deepspeed_plugin=y"]
