@@ -274,25 +274,29 @@ def _check_silently_ignored(config: dict, source: str) -> None:
     if isinstance(zero, dict) and (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
         raise DsConfigError(f"ds_config {source}: zero_optimization.offload_param: parameters are offloaded with ZeRO "
                             f"stage 3 only; with stage {stage} DeepSpeed ignores it (use offload_optimizer)")
-    scheduler = config.get("scheduler") or {}
-    keys = mirror.SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
+    total, warmup = _schedule_length(config)
+    if total is not None and warmup is not None and warmup > total:
+        raise DsConfigError(f"ds_config {source}: scheduler.params.warmup_num_steps {warmup} is longer than "
+                            f"total_num_steps {total}: the learning rate would never reach its peak")
+
+
+def _schedule_length(config: dict) -> tuple[int | None, int | None]:
+    """(total steps, warmup steps) of a scheduler that has its own length (mirror.SCHEDULE_LENGTH), each None
+    unless given as an integer."""
+    scheduler = config.get("scheduler")
     params = scheduler.get("params") if isinstance(scheduler, dict) else None
-    if keys and isinstance(params, dict):
-        total, warmup = (params.get(key) for key in keys)
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in (total, warmup)) and warmup > total:
-            raise DsConfigError(f"ds_config {source}: scheduler.params.{keys[1]} {warmup} is longer than "
-                                f"{keys[0]} {total}: the learning rate would never reach its peak")
+    keys = mirror.SCHEDULE_LENGTH.get(scheduler.get("type")) if isinstance(params, dict) else None
+    numbers = [params.get(key) for key in keys] if keys else [None, None]
+    return tuple(n if isinstance(n, int) and not isinstance(n, bool) else None for n in numbers)
 
 
 def check_schedule_length(config: dict, steps: int, source: str) -> None:
     """A scheduler with its own total step count must end with the run (the train package's `steps`): one that
     decays over another count trains with another schedule than the config says."""
-    scheduler = config.get("scheduler") or {}
-    keys = mirror.SCHEDULE_LENGTH.get(scheduler.get("type") if isinstance(scheduler, dict) else None)
-    total = (scheduler.get("params") or {}).get(keys[0]) if keys else None
-    if isinstance(total, int) and not isinstance(total, bool) and total != steps:
-        raise DsConfigError(f"ds_config {source}: scheduler.params.{keys[0]} {total}, but the run trains {steps} "
-                            f"steps (steps in the train config or --steps): make them equal")
+    total, _ = _schedule_length(config)
+    if total is not None and total != steps:
+        raise DsConfigError(f"ds_config {source}: scheduler.params.total_num_steps {total}, but the run trains "
+                            f"{steps} steps (steps in the train config or --steps): make them equal")
 
 
 def _check_runtime_settings(config: dict, world_size: int, source: str) -> None:
