@@ -70,8 +70,6 @@ def optimizer_target(name: str, params: dict, config: dict):
     return None, ()
 
 
-
-
 def scheduler_target(name) -> tuple[object, list[str]]:
     """(scheduler class or None, the names DeepSpeed takes) for scheduler `name`. Mirrors
     DeepSpeedEngine._scheduler_from_config (deepspeed/runtime/engine.py): DeepSpeed's own schedules

@@ -119,8 +119,9 @@ def resume(engine, cfg: TrainConfig, inputs: Inputs, rank: int, layout: dict) ->
         return 0, 0
     ckpt_dir, owner = own_dir, checkpoint.release()
     tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, layout["world_size"], logger)
-    if not tag and checkpoint.resume_source():  # the platform's opt-in: start from another release's checkpoint
-        ckpt_dir, owner = checkpoint.resume_source()
+    other_release = checkpoint.resume_source()
+    if not tag and other_release:  # the platform's opt-in: start from another release's checkpoint
+        ckpt_dir, owner = other_release
         tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, layout["world_size"], logger)
     if not tag:
         return 0, 0
