@@ -82,12 +82,23 @@ def diagnose(namespace: str) -> str:
     return f"{pods}\n{events[-3000:]}\n{logs}"
 
 
-def launcher_logs(namespace: str) -> str:
-    """Every launcher pod's log, oldest first."""
+def launcher_attempts(namespace: str) -> list[tuple[str, str]]:
+    """(pod, log) of every launcher pod, oldest first."""
     pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
                               namespace=namespace))["items"]
     pods.sort(key=lambda p: p["metadata"]["creationTimestamp"])
-    return "\n".join(kubectl("logs", p["metadata"]["name"], namespace=namespace, check=False) for p in pods)
+    return [(f"{p['metadata']['name']} ({p['status'].get('phase')})",
+             kubectl("logs", p["metadata"]["name"], namespace=namespace, check=False)) for p in pods]
+
+
+def launcher_logs(namespace: str) -> str:
+    """Every launcher pod's log, oldest first."""
+    return "\n".join(log for _, log in launcher_attempts(namespace))
+
+
+def attempts_summary(namespace: str, chars: int = 5000) -> str:
+    """The end of each launcher pod's log, so that a failure says why each attempt ended."""
+    return "\n".join(f"===== {pod}\n{log[-chars:]}" for pod, log in launcher_attempts(namespace))
 
 
 def worker_exec(namespace: str, ordinal: int, *argv: str, check: bool = True) -> str:
@@ -179,7 +190,7 @@ def test_a_killed_rank_fails_the_attempt_and_the_jobs_retry_resumes(namespace, s
     assert outcome == "Complete", diagnose(namespace)
     job = get("job", LAUNCHER, namespace)
     # The attempts' own logs: on a second failure they say why the retry did not hold.
-    assert job["status"].get("failed") == 1 and job["status"].get("succeeded") == 1, logs[-12000:]
+    assert job["status"].get("failed") == 1 and job["status"].get("succeeded") == 1, attempts_summary(namespace)
     resumed = [line for line in logs.splitlines() if "resumed from /checkpoints/step_" in line]
     assert resumed and int(resumed[-1].split("step_")[1].split()[0]) >= 20, logs[-4000:]
     assert "INFO step 150/150" in logs
