@@ -131,8 +131,8 @@ def main() -> int:
     for name, runs in rows.items():
         print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
               + " ".join(f"{x:.1f}" for x in runs))
-    print("\nfault drill: SIGKILL a rank of worker 1 at step ~50 of 200, checkpoint every 20, dist_timeout_s 20, "
-          "runRetries 1")
+    print("\nfault drill: SIGKILL a rank of worker 1 at step ~50 of 200, checkpoint every 20, collective timeout "
+          "1 min, runRetries 1")
     print(f"{'mode':<7}{'trial':>6}{'kill -> first step of retry s':>32}{'trained':>9}{'resumed':>9}{'lost':>6}"
           f"{'pods recreated':>16}{'finished':>10}")
     for mode in ("ssh", "nossh"):

@@ -607,7 +607,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
         f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['job']['runRetries']} run "
-        f"retries in the pods, then {r.effective['job']['backoffLimit']} new pods (backoffLimit)",
+        f"retries in the pods, then {r.effective['job']['backoffLimit']} new pods (backoffLimit); collective "
+        f"timeout {r.effective['deepspeed']['collectiveTimeoutMinutes']} min",
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),
     ]

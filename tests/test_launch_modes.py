@@ -85,6 +85,30 @@ def test_both_modes_retry_runs_in_the_pods_and_fail_the_job_on_a_configuration_e
         assert env_of(one(docs, "Job", job))["DS_RUN_RETRIES"] == "2"
 
 
+def test_one_collective_timeout_reaches_every_program_in_both_modes():
+    for mode, workload in ((NOSSH, workers_job), ({}, lambda docs: one(docs, "StatefulSet"))):
+        assert env_of(workload(render_chart(mode)))["DEEPSPEED_TIMEOUT"] == "10"  # DeepSpeed 0.19.8's own default
+        assert env_of(workload(render_chart({**mode, "deepspeed": {"collectiveTimeoutMinutes": 3}})))[
+            "DEEPSPEED_TIMEOUT"] == "3"
+    # A Trainer passes its own ddp_timeout (30 minutes) to the process group: the convention passes ours.
+    docs = render_chart({"train": {"argsConvention": "huggingface", "script": "/app/p.py"},
+                         "deepspeed": {"collectiveTimeoutMinutes": 3}})
+    args = container(one(docs, "Job"))["args"]
+    assert args[args.index("--ddp_timeout") + 1] == "180"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"deepspeed": {"collectiveTimeoutMinutes": 0}}, "collectiveTimeoutMinutes"),
+    ({"deepspeed": {"collectiveTimeoutMinutes": "10"}}, "collectiveTimeoutMinutes"),
+    ({"deepspeed": {"collectiveTimeoutMinutes": None}}, "collectiveTimeoutMinutes"),
+    ({"env": [{"name": "DEEPSPEED_TIMEOUT", "value": "1"}]}, "DEEPSPEED_TIMEOUT"),
+])
+def test_the_collective_timeout_has_one_owner(values, message):
+    with pytest.raises(HelmError) as err:
+        render_chart(values)
+    assert message in err.value.stderr
+
+
 def test_the_ssh_launcher_waits_for_the_current_worker_template():
     base = render_chart()
     sts, job = one(base, "StatefulSet"), one(base, "Job")

@@ -87,7 +87,8 @@ def test_a_claim_the_platform_allows_as_an_extra_volume_is_reported_as_a_relaxat
 
 # Every option the chart passes in each convention, in every form argparse would take as it: exact, =value,
 # and an abbreviation; DeepSpeed's parser also takes --deepscale_config for --deepspeed_config.
-OWNED = {"train": ["--ds-config", "--config", "--checkpoint-dir"], "huggingface": ["--deepspeed", "--output_dir"],
+OWNED = {"train": ["--ds-config", "--config", "--checkpoint-dir"],
+         "huggingface": ["--deepspeed", "--output_dir", "--ddp_timeout"],
          "deepspeed": ["--deepspeed", "--deepspeed_config", "--deepscale_config"]}
 ARG_CASES = {f"{convention} {arg}": (convention, arg) for convention, options in OWNED.items() for option in options
              for arg in (option, f"{option}=/tmp/x", option[:-2], f"{option[:-3]}=/tmp/x")}

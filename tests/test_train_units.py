@@ -31,6 +31,14 @@ def test_config_file_types_are_checked(tmp_path):
         parse_args(["--ds-config", "ds.json", "--config", str(path)])
 
 
+def test_a_moved_key_says_where_it_went(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text('{"dist_timeout_s": 30}')
+    with pytest.raises(ConfigError, match=r"train.json: dist_timeout_s is no longer a train config key: it is the "
+                                          r"chart value deepspeed.collectiveTimeoutMinutes"):
+        parse_args(["--ds-config", "ds.json", "--config", str(path)])
+
+
 def test_ds_config_is_required():
     with pytest.raises(ConfigError, match=r"ds_config must be a path \(--ds-config\)"):
         parse_args([])

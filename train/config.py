@@ -64,7 +64,6 @@ class TrainConfig:
     log_every: int = doc("Log one line on rank 0 every this many steps.", 10)
     checkpoint_every: int = doc("Save a checkpoint every this many steps (0: only at the end).", 0)
     keep_checkpoints: int = doc("Complete checkpoints to keep; older ones are deleted.", 3)
-    dist_timeout_s: int = doc("Seconds a collective may wait for a peer before the rank fails.", 600)
     seed: int = doc("Seed of the model initialisation.", 0)
     reset_optimizer: bool = doc("On resume, load the model weights, step and data position only: optimizer and "
                                 "lr-scheduler state start afresh from the ds_config (to change the optimizer type, the "
@@ -76,7 +75,7 @@ class TrainConfig:
 
     def __post_init__(self):
         _require(bool(self.ds_config), "ds_config", "a path (--ds-config)", self.ds_config)
-        for name in ("steps", "log_every", "keep_checkpoints", "dist_timeout_s"):
+        for name in ("steps", "log_every", "keep_checkpoints"):
             _require(getattr(self, name) >= 1, name, "an integer >= 1", getattr(self, name))
         _require(self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0", self.checkpoint_every)
         _require(0 <= self.peak_tflops < 1e6, "peak_tflops", "a number of TFLOP/s >= 0 (0: from the table)",
@@ -132,9 +131,16 @@ def from_mapping(values: dict, source: str) -> TrainConfig:
     return _construct(TrainConfig, values, source, "", **nested)
 
 
+# Keys that moved out of the train config, and where they are now.
+MOVED_KEYS = {"dist_timeout_s": "the chart value deepspeed.collectiveTimeoutMinutes (DEEPSPEED_TIMEOUT, minutes), "
+                                "one collective timeout for every program"}
+
+
 def _construct(cls: type, values: dict, source: str, prefix: str, **extra):
     known = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
+        if not prefix and key in MOVED_KEYS:
+            raise ConfigError(f"{source}: {key} is no longer a train config key: it is {MOVED_KEYS[key]}")
         if key not in known or dataclasses.is_dataclass(known[key].type):
             raise ConfigError(f"{source}: unknown key {prefix}{key!r}; known: {', '.join(sorted(known))}")
         expected = known[key].type

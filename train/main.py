@@ -8,13 +8,13 @@ import signal
 import sys
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import deepspeed
 import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import default_pg_timeout
 
 from train import checkpoint, dsconfig, mfu, rankstate
 from train.config import ConfigError, TrainConfig, parse_args
@@ -249,7 +249,8 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     logger.info(
         f"world size {world_size} | ZeRO stage {engine.zero_optimization_stage()} | {dtype} | batch {micro} micro x "
         f"{accum} accumulation x {inputs.layout.describe()} = {global_batch} | {parameters / 1e6:.2f}M "
-        f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()}")
+        f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()} | "
+        f"collective timeout {default_pg_timeout.total_seconds() / 60:.0f} min")
     for stage, (layers, count) in enumerate(plan):
         logger.info(f"pipeline stage {stage}: {layers} | {count / 1e6:.2f}M parameters")
 
@@ -308,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))
         return 2
-    deepspeed.init_distributed(timeout=timedelta(seconds=cfg.dist_timeout_s))
+    # DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes, the chart's deepspeed.collectiveTimeoutMinutes.
+    deepspeed.init_distributed(timeout=default_pg_timeout)
     status = 1
     try:
         if dist.get_world_size() != world_size:

@@ -9,6 +9,7 @@ from tests.train_run import cpu_ds_config
 
 REASON = namespaces_available() or (None if HELM else "no helm binary; run `make setup`")
 UID = 10001
+COLLECTIVE_TIMEOUT_MINUTES = 1  # the shortest: a rank that waits for a dead peer fails within a minute
 SECRET_VALUE = "s3cr3t-$(id)-`uname`"  # only the valueFrom channel may carry this
 
 
@@ -16,9 +17,10 @@ def e2e_values(shared_dir: Path, workers: int = 2, steps: int = 40, **train) -> 
     return {
         "worker": {"replicas": workers, "gpusPerWorker": 1, "gpuResourceName": "", "terminationGracePeriodSeconds": 20},
         "launcher": {"scaleDownWorkers": False}, "job": {"waitTimeoutSeconds": 60},
-        "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
+        "deepspeed": {"config": cpu_ds_config(stage=2, micro=4),
+                      "collectiveTimeoutMinutes": COLLECTIVE_TIMEOUT_MINUTES},
         "train": {"module": "tests.e2e.rank_probe",
-                  "config": {"steps": steps, "log_every": 10, "checkpoint_every": 10, "dist_timeout_s": 20,
+                  "config": {"steps": steps, "log_every": 10, "checkpoint_every": 10,
                              "model": {"n_layer": 2, "d_model": 64, "seq_len": 32}, **train}},
         "env": [{"name": "OMP_NUM_THREADS", "value": "1"},
                 {"name": "E2E_MARKER", "value": "from-the-chart"},

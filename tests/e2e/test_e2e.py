@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.e2e.chart_pods import REASON, SECRET_VALUE, UID, e2e_values, render
+from tests.e2e.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, UID, e2e_values, render
 from tests.e2e.harness import (
     ROOT,
     Cluster,
@@ -34,10 +34,14 @@ def test_the_rendered_chart_trains_across_hosts(shared_dir):
         assert checkpoint.is_complete(ckpt / "step_00000040")
         # The chart's env reached every rank: plain values through .deepspeed_env, the secret through sshd.
         expected_secret = __import__("hashlib").sha256(SECRET_VALUE.encode()).hexdigest()[:12]
-        probes = re.findall(r"rank-probe rank=(\d) host=(\S+) E2E_MARKER=(\S+) E2E_SECRET_sha256=(\S+)", log)
+        probes = re.findall(r"rank-probe rank=(\d) host=(\S+) E2E_MARKER=(\S+) DEEPSPEED_TIMEOUT=(\S+) "
+                            r"E2E_SECRET_sha256=(\S+)", log)
         assert sorted(p[0] for p in probes) == ["0", "1"]
         assert {p[1] for p in probes} == {w.hostname for w in cluster.pods_of("worker")}
-        assert all(p[2] == "from-the-chart" and p[3] == expected_secret for p in probes), probes
+        assert all(p[2] == "from-the-chart" and p[4] == expected_secret for p in probes), probes
+        # The one collective timeout: every rank has it, and the train package's process group uses it.
+        assert {p[3] for p in probes} == {str(COLLECTIVE_TIMEOUT_MINUTES)}, probes
+        assert f"collective timeout {COLLECTIVE_TIMEOUT_MINUTES} min" in log
         assert SECRET_VALUE not in log  # never in the launcher's log
         # Ranks ran as the pod's non-root user.
         assert all(p.uid == UID for p in cluster.pods)
@@ -76,7 +80,7 @@ def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shar
         code = wait(first, timeout=120)
         failed_after = time.monotonic() - killed_at
         assert code != 0, launcher.log()[-3000:]
-        assert failed_after < 20 + 30, f"job took {failed_after:.0f}s to fail"  # dist_timeout_s + teardown
+        assert failed_after < 60 + 30, f"job took {failed_after:.0f}s to fail"  # the collective timeout + teardown
         for worker in workers:
             wait_for(lambda w=worker: not cluster.rank_pids(w), 30, f"no ranks left on {worker.name}")
         done = max(step_losses(launcher.log()))

@@ -318,6 +318,9 @@ and the pod need to stop. */}}
   value: {{ include "deepspeed-training.killGraceSeconds" . | quote }}
 - name: DS_WORLD_SIZE
   value: {{ mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) | quote }}
+# The one collective timeout (whole minutes, as DeepSpeed reads it); the huggingface convention also passes it.
+- name: DEEPSPEED_TIMEOUT
+  value: {{ .Values.deepspeed.collectiveTimeoutMinutes | int | quote }}
 {{- range $name, $path := dict "DS_CONFIG_PATH" "ds_config" "DS_TRAIN_CONFIG_PATH" "train_config" "DS_CHECKPOINT_DIR" "checkpoint_dir" "DS_DATA_DIR" "data_dir" }}
 - name: {{ $name }}
   value: {{ get (include "deepspeed-training.programPaths" $ | fromJson) $path | quote }}
@@ -405,15 +408,15 @@ namespaces, so the namespace is part of it). The kubelet creates the directory (
 {{- end }}
 
 {{/*
-The arguments that give the program the chart's paths, in its convention (train.argsConvention), as a JSON
-list. The options among them are the chart's: validateProgram refuses them (and their abbreviations) in
+The arguments that give the program the chart's paths (and, to a Trainer, the collective timeout), in its
+convention (train.argsConvention), as a JSON list. The options among them are the chart's: validateProgram refuses them (and their abbreviations) in
 train.args, where argparse's last occurrence would win.
 */}}
 {{- define "deepspeed-training.conventionArgs" -}}
 {{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
 {{- $convention := dict
   "train" (list (printf "--ds-config=%s" $paths.ds_config) (printf "--config=%s" $paths.train_config) (printf "--checkpoint-dir=%s" $paths.checkpoint_dir))
-  "huggingface" (list "--deepspeed" $paths.ds_config "--output_dir" $paths.checkpoint_dir)
+  "huggingface" (list "--deepspeed" $paths.ds_config "--output_dir" $paths.checkpoint_dir "--ddp_timeout" (mul (int .Values.deepspeed.collectiveTimeoutMinutes) 60 | toString))
   "deepspeed" (list "--deepspeed" "--deepspeed_config" $paths.ds_config)
   "none" list }}
 {{- get $convention .Values.train.argsConvention | toJson }}

@@ -95,7 +95,7 @@ Env names the chart or DeepSpeed's launcher sets (a user value would override th
 overridden by them), and those that make the ranks' shells run code or parse commands differently.
 */}}
 {{- define "deepspeed-training.reservedEnvNames" -}}
-{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_RELEASE" "DS_RESUME_FROM_DIR" "DS_RESUME_FROM_RELEASE" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_AUTOTUNING_RESULTS" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_RESUME_ACROSS_WORLD_SIZES" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
+{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_RELEASE" "DS_RESUME_FROM_DIR" "DS_RESUME_FROM_RELEASE" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DEEPSPEED_TIMEOUT" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_AUTOTUNING_RESULTS" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_RESUME_ACROSS_WORLD_SIZES" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
 {{- end }}
 
 {{- define "deepspeed-training.validateEnv" -}}
@@ -244,7 +244,7 @@ the train config name its own paths.
 {{- if and (hasPrefix "--" $name) (gt (len $name) 2) }}
 {{- range $owned }}
 {{- if hasPrefix $name . }}
-{{- fail (printf "train.args[%d]: %q would replace %s, which the chart passes for train.argsConvention %q (argparse takes the last occurrence and abbreviations): the ds_config is deepspeed.config and the checkpoint dir is the release's own (checkpoints.mountPath); remove it" $i $arg . $.Values.train.argsConvention) }}
+{{- fail (printf "train.args[%d]: %q would replace %s, which the chart passes for train.argsConvention %q (argparse takes the last occurrence and abbreviations): the ds_config is deepspeed.config, the checkpoint dir is the release's own (checkpoints.mountPath) and the collective timeout is deepspeed.collectiveTimeoutMinutes; remove it" $i $arg . $.Values.train.argsConvention) }}
 {{- end }}
 {{- end }}
 {{- end }}
