@@ -215,7 +215,7 @@ def test_bad_input_stops_before_training_with_a_clear_message(tmp_path, case):
 def test_help_documents_the_contract():
     result = run_single(["--help"])
     for flag in ("--ds-config", "--config", "--steps", "--checkpoint-dir", "--log-every", "--checkpoint-every",
-                 "--keep-checkpoints", "--dist-timeout-s", "--model.n-layer", "--data.path"):
+                 "--keep-checkpoints", "--model.n-layer", "--data.path"):
         assert flag in result.stdout
 
 
