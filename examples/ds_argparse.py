@@ -5,7 +5,8 @@ convention and placeholders (`--deepspeed_config={ds_config} --save_dir={checkpo
     deepspeed prog.py --deepspeed --deepspeed_config ds_config.json [--steps N] [--save_dir DIR]
 
 A small regression MLP on synthetic data; the loss is printed on rank 0 every 5 steps, and a checkpoint is
-saved to --save_dir (default: $DS_CHECKPOINT_DIR, set by the chart on every rank) at the end.
+saved to --save_dir (default: $DS_CHECKPOINT_DIR, set by the chart on every rank) at the end. Its one line for
+the chart's hang detection: `rankstate.beat(step)`.
 """
 
 import argparse
@@ -14,7 +15,8 @@ import os
 import deepspeed
 import torch
 
-from train.main import exit_cleanly  # the train package is in every image of the chart
+from train import rankstate  # the train package is in every image of the chart
+from train.main import exit_cleanly
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,6 +42,7 @@ def main() -> int:
             loss = torch.nn.functional.mse_loss(engine(x).squeeze(-1), x @ weights)
             engine.backward(loss)
             engine.step()
+        rankstate.beat(step)  # the chart's hang detection: one line
         if rank == 0 and step % 5 == 0:
             print(f"ds_argparse: step {step}/{args.steps} loss {loss.item():.4f} "
                   f"world {engine.world_size} config {args.deepspeed_config}", flush=True)

@@ -7,7 +7,8 @@ Trainer's to fill: `train.fillsDsConfigAuto: true`).
 
 Nothing is downloaded: the causal LM is built from a local config (a tiny GPT-2 by default) and the text is
 tokenised as UTF-8 bytes. Resume is the Trainer pattern: continue from the newest checkpoint-N in the output
-dir. On rank 0 the loss history goes to <output_dir>/log_history.json.
+dir. On rank 0 the loss history goes to <output_dir>/log_history.json. RankHeartbeat is the one line that gives it
+the chart's hang detection.
 """
 
 import json
@@ -18,7 +19,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, HfArgumentParser, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from train.main import exit_cleanly  # the train package is in every image of the chart
+from train.hf_callback import RankHeartbeat  # the train package is in every image of the chart
+from train.main import exit_cleanly
 
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. " * 400
 
@@ -53,7 +55,8 @@ def main() -> int:
         config = GPT2Config(vocab_size=256, n_positions=program.block_size, n_embd=64, n_layer=2, n_head=4)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config)
-    trainer = Trainer(model=model, args=args, train_dataset=ByteBlocks(text, program.block_size))
+    trainer = Trainer(model=model, args=args, train_dataset=ByteBlocks(text, program.block_size),
+                      callbacks=[RankHeartbeat()])  # the chart's hang detection: one line
     last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
     if last and trainer.is_world_process_zero():
         print(f"hf_trainer: resuming from {last}", flush=True)

@@ -596,6 +596,7 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
     gpu_name = worker["gpuResourceName"]
     offload = zero.get("offload_optimizer", {}).get("device", "none")
     program = train["script"] or f"--module {train['module']}"
+    hang = r.effective["hangDetection"]
     lines = [
         f"plan: ENV={r.env} PROJECT={r.project or '-'} (layers: {', '.join(r.sources)})",
         f"  release     {release_name(r)} in namespace {r.settings['deploy']['namespace']}, kube context "
@@ -609,6 +610,9 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['job']['runRetries']} run "
         f"retries in the pods, then {r.effective['job']['backoffLimit']} new pods (backoffLimit); collective "
         f"timeout {r.effective['deepspeed']['collectiveTimeoutMinutes']} min",
+        "  hangs       " + (f"watchdog in the worker pods: {hang['startupSeconds']} s to a rank's first step, then "
+                             f"{hang['stepSeconds']} s (or 10x its step time) per step" if hang["enabled"]
+                             else "no watchdog (hangDetection.enabled: false): only the collective timeout"),
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),
     ]

@@ -18,7 +18,8 @@ def test_nossh_renders_no_ssh_no_launcher_no_token():
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Service", "ServiceAccount"]
     scripts = one(docs, "ConfigMap", "-scripts")
-    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "nossh-worker.sh", "gang-barrier.py"}
+    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "watchdog.py", "nossh-worker.sh",
+                                    "gang-barrier.py"}
     text = str([d for d in docs if d is not scripts])
     assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
     assert [p["port"] for p in one(docs, "Service")["spec"]["ports"]] == [29500]
@@ -104,6 +105,28 @@ def test_one_collective_timeout_reaches_every_program_in_both_modes():
     ({"env": [{"name": "DEEPSPEED_TIMEOUT", "value": "1"}]}, "DEEPSPEED_TIMEOUT"),
 ])
 def test_the_collective_timeout_has_one_owner(values, message):
+    with pytest.raises(HelmError) as err:
+        render_chart(values)
+    assert message in err.value.stderr
+
+
+def test_the_hang_watchdog_gets_its_budgets_in_both_modes_and_goes_when_disabled():
+    for mode, workload in ((NOSSH, workers_job), ({}, lambda docs: one(docs, "StatefulSet"))):
+        env = env_of(workload(render_chart({**mode, "hangDetection": {"stepSeconds": 30}})))
+        assert (env["DS_HANG_STARTUP_SECONDS"], env["DS_HANG_STEP_SECONDS"]) == ("300", "30")
+        off = env_of(workload(render_chart({**mode, "hangDetection": {"enabled": False}})))
+        assert "DS_HANG_STEP_SECONDS" not in off  # the pod scripts start no watchdog then
+        assert "watchdog.py" in one(render_chart(mode), "ConfigMap", "-scripts")["data"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"hangDetection": {"stepSeconds": 5}}, "stepSeconds"),
+    ({"hangDetection": {"startupSeconds": "300"}}, "startupSeconds"),
+    ({"hangDetection": None}, "hangDetection"),
+    ({"hangDetection": {"enabled": True, "every": 3}}, "every"),
+    ({"env": [{"name": "DS_RUN_ID", "value": "x"}]}, "DS_RUN_ID"),
+])
+def test_hang_detection_mistakes_stop_at_render(values, message):
     with pytest.raises(HelmError) as err:
         render_chart(values)
     assert message in err.value.stderr

@@ -125,8 +125,13 @@ def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_p
     monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))
     for state in rankstate.STATES:
         rankstate.report(state)
-        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == state
-    assert [p.name for p in (tmp_path / "ranks").iterdir()] == [str(os.getpid())]  # no temporary file left
+        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state}\n"
+    rankstate.beat(7)
+    rankstate.beat(9)  # two steps later: the smoothed step time is measured
+    words = (tmp_path / "ranks" / str(os.getpid())).read_text().split()
+    assert words[:2] == ["training", "step=9"] and words[2].startswith("step_s=")
+    # No temporary file left; the stack dump's file is open for faulthandler.
+    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [str(os.getpid()), f"{os.getpid()}.stacks"]
     rankstate.clear()
     assert not list((tmp_path / "ranks").iterdir())
     monkeypatch.delenv("DS_RANK_STATE_DIR")
@@ -137,8 +142,19 @@ def test_kill_ranks_reads_the_states_the_train_package_writes():
     from train import rankstate
     script = (ROOT / "charts" / "deepspeed-training" / "files" / "kill-ranks.sh").read_text()
     read = set(re.findall(r"kill_where ([a-z]+) ", script))
-    assert read == {"starting", "training"} and read < set(rankstate.STATES)
-    assert "`stopping`" in script  # the acknowledged state it leaves to the grace period
+    assert read == {"starting", "restoring", "training"} and read < set(rankstate.STATES)
+    assert "`stopping`" in script and "`saving`" in script  # the states it leaves to the grace period
+
+
+def test_the_watchdog_reads_the_contract_the_ranks_write():
+    """charts/.../watchdog.py runs in any image with the standard library alone: it repeats rankstate's
+    contract, and this keeps the two copies equal."""
+    import runpy
+
+    from train import rankstate
+    watchdog = runpy.run_path(str(ROOT / "charts" / "deepspeed-training" / "files" / "watchdog.py"))
+    for name in ("STATES", "UNCOUNTED_STATES", "STEP_MULTIPLE", "DUMP_SIGNAL"):
+        assert watchdog[name] == getattr(rankstate, name), name
 
 
 def test_model_flops_per_token_follow_palm_by_hand():

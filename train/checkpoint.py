@@ -23,6 +23,8 @@ from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
 
+from train import rankstate
+
 COMMIT_FILE = "commit.json"
 TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
 UNIVERSAL_DIR = "universal"  # <ckpt>/universal/<tag>: a tag converted for another layout, committed like a tag
@@ -278,6 +280,7 @@ class Checkpointer:
         """(the committed tag's dir, seconds it took) when a save is due at `step`, else None."""
         if not self.due(step, last_step, stopping):
             return None
+        rankstate.report("stopping" if stopping else "saving", step)  # a long save is not a hang
         started = time.perf_counter()
         tag = save(self.engine, self.ckpt_dir, step, client_state, self.keep, self.layout, self.ds_config)
         self.last_saved = step

@@ -1,7 +1,10 @@
-"""What DeepSpeed does with a ds_config internally, copied here so that train/dsconfig.py can check a config
-without building an engine. Each piece names the DeepSpeed code it mirrors, as of DeepSpeed 0.19.8 (the pin in
-pyproject.toml): a DeepSpeed upgrade re-reads this file, and only this file. Our own rules stay in dsconfig.py.
+"""What DeepSpeed does with a ds_config internally, copied here so that train/dsconfig.py can check a config without
+building an engine, and the one hook into DeepSpeed's comm layer (FirstCollectiveClock). Each piece names the
+DeepSpeed code it mirrors, as of DeepSpeed 0.19.8 (the pin in pyproject.toml): a DeepSpeed upgrade re-reads this
+file, and only this file. Our own rules stay in dsconfig.py.
 """
+
+import time
 
 # Top-level keys DeepSpeed reads (deepspeed/runtime/config.py and the section configs it builds).
 TOP_LEVEL_KEYS = frozenset({
@@ -86,3 +89,41 @@ def scheduler_target(name) -> tuple[object, list[str]]:
     if name in torch_schedulers:
         return getattr(torch.optim.lr_scheduler, name), known
     return None, known
+
+
+# Every collective of DeepSpeed's comm layer goes through its backend object, deepspeed.comm.comm.cdb
+# (deepspeed/comm/comm.py: `return cdb.all_reduce(...)` and so on; TorchBackend in deepspeed/comm/torch.py).
+COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "broadcast",
+               "broadcast_object_list", "all_gather", "all_gather_into_tensor", "all_gather_base",
+               "all_gather_coalesced", "all_gather_object", "reduce_scatter_tensor", "all_to_all_single", "all_to_all",
+               "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter", "barrier",
+               "monitored_barrier")
+
+
+class FirstCollectiveClock:
+    """The time from `start()` to this rank's first DeepSpeed collective after it: the rank's own compute in a step
+    (everything after the first collective may be waiting for peers). Wraps the backend's collectives once; the
+    cost per call is one comparison."""
+
+    def __init__(self):
+        from deepspeed.comm import comm
+
+        self.started = self.first = None
+        for name in COLLECTIVES:
+            method = getattr(comm.cdb, name, None)
+            if method is not None:
+                setattr(comm.cdb, name, self._timed(method))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            if self.first is None and self.started is not None:
+                self.first = time.perf_counter()
+            return method(*args, **kwargs)
+        return timed
+
+    def start(self) -> None:
+        self.started, self.first = time.perf_counter(), None
+
+    def compute_s(self) -> float:
+        """Seconds from start() to the first collective (to now, if none came)."""
+        return (self.first or time.perf_counter()) - self.started

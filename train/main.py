@@ -5,6 +5,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ from deepspeed.constants import default_pg_timeout
 from train import checkpoint, dsconfig, mfu, rankstate
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, make_data, samples
+from train.deepspeed_mirror import FirstCollectiveClock
 from train.layout import Layout, LayoutError
 from train.model import GPT, build_model, count_parameters
 from train.pipeline import PipelineGPT, stage_plan
-from train.progress import Progress
+from train.progress import Progress, Stragglers
 
 logger = logging.getLogger("train")
 EXIT_SIGTERM = 143  # non-zero, so a Job retries and the next attempt resumes from the saved checkpoint
@@ -178,11 +180,21 @@ def train_step(engine, inputs: Inputs, position: int) -> tuple[torch.Tensor, int
     return step_loss, position
 
 
-def agree(step_loss: torch.Tensor, stop: StopFlag, world_size: int) -> tuple[float, bool]:
-    """One small all-reduce per step: the mean loss over ranks, and whether any rank got SIGTERM."""
-    shared = torch.stack([step_loss, torch.tensor(float(stop.requested), device=step_loss.device)])
+def agree(step_loss: torch.Tensor, stop: StopFlag, compute_s: float, rank: int, world_size: int
+          ) -> tuple[float, bool, list[float]]:
+    """One small all-reduce per step: the mean loss over ranks, whether any rank got SIGTERM, and every rank's
+    own compute time (for the straggler check)."""
+    shared = torch.zeros(2 + world_size, device=step_loss.device)
+    shared[0], shared[1], shared[2 + rank] = step_loss, float(stop.requested), compute_s
     dist.all_reduce(shared)
-    return shared[0].item() / world_size, shared[1].item() > 0
+    return shared[0].item() / world_size, shared[1].item() > 0, shared[2:].tolist()
+
+
+def hosts(world_size: int) -> list[str]:
+    """Every rank's host name, by rank (the straggler and hang lines name the host)."""
+    names = [""] * world_size
+    dist.all_gather_object(names, socket.gethostname())
+    return names
 
 
 @dataclass
@@ -256,7 +268,9 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
 
     use = utilisation(cfg, model, dtype != "fp32")
     layout = layout_of(engine, world_size, cfg)
+    rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
     start_step, position = resume(engine, cfg, inputs, rank, layout)
+    rankstate.report("starting")  # the start-up budget again, until the first step
     if start_step >= cfg.steps:
         logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
     losses: list[tuple[int, float]] = []
@@ -266,12 +280,21 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     saver = checkpoint.Checkpointer(engine, ckpt_dir, cfg.checkpoint_every, cfg.keep_checkpoints, layout,
                                     inputs.ds_config, start_step) if ckpt_dir else None
     status = 0
+    stragglers = Stragglers(logger, hosts(world_size))
+    # A rank's own compute in a step: until its first collective. Not for pipeline stages, which wait for each
+    # other's activations from the start of a step.
+    clock = FirstCollectiveClock() if stages == 1 else None
     for step in range(start_step + 1, cfg.steps + 1):
+        if clock:
+            clock.start()
         step_loss, position = train_step(engine, inputs, position)
-        mean_loss, stopping = agree(step_loss, stop, world_size)
+        compute_s = clock.compute_s() if clock else 0.0
+        mean_loss, stopping, compute = agree(step_loss, stop, compute_s, rank, world_size)
         losses.append((step, mean_loss))
-        if step == start_step + 1 and not stopping:
-            rankstate.report("training")  # from here a SIGTERM has something to save
+        if not stopping:
+            rankstate.beat(step)  # the heartbeat; from here a SIGTERM also has something to save
+        if rank == 0:
+            stragglers.step(compute)
         if engine.monitor.enabled and rank == 0:  # ds_config's tensorboard / csv_monitor / wandb sections
             engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
         progress.step(step, mean_loss, engine.get_lr()[0], force=stopping)
@@ -280,6 +303,8 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         if saved:
             progress.pause(saved[1])
             logger.info(f"saved checkpoint {saved[0]} in {saved[1]:.1f}s")
+            if not stopping:
+                rankstate.beat(step)  # back from `saving`: the next step's budget starts now
         if stopping:
             logger.warning(f"SIGTERM: stopped at step {step}" + (f", checkpoint at step {saver.last_saved}"
                                                                   if saver else ""))

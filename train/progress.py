@@ -1,7 +1,9 @@
 """The rank-0 progress line and the interval timing behind it, in one object the training loop calls once a step:
 `step 40/1000 | loss 3.2101 | lr 3.000e-04 | 51,234 tokens/s | 400.3 samples/s | mfu 41.0% | eta 1:02:03`.
-Time the loop reports as paused (checkpoint saves) is kept out of the throughput figures."""
+Time the loop reports as paused (checkpoint saves) is kept out of the throughput figures. Stragglers names a rank
+that every step waits for."""
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -44,3 +46,37 @@ class Progress:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
+
+
+class Stragglers:
+    """Names a rank whose own compute time per step (until the step's first collective, which every other rank enters
+    first and waits in: the wall-clock step time is the same on every rank of a synchronous job) is over RATIO x
+    the median of all ranks for RUN consecutive steps: one warning per rank at most every QUIET_S seconds, with
+    its host and its time against the median."""
+
+    RATIO, RUN, QUIET_S = 1.2, 10, 60.0
+
+    def __init__(self, logger, hosts: list[str]):
+        self.logger, self.hosts = logger, hosts
+        self.recent: list[list[tuple[float, float]]] = [[] for _ in hosts]  # (own, median) of the current run
+        self.named_at: dict[int, float] = {}
+
+    def step(self, compute: list[float]) -> None:
+        median = statistics.median(compute)
+        if median <= 0:  # not measured (a pipeline)
+            return
+        now = time.monotonic()
+        for rank, own in enumerate(compute):
+            run = self.recent[rank]
+            if own <= self.RATIO * median:
+                run.clear()
+                continue
+            run.append((own, median))
+            del run[:-self.RUN]
+            if len(run) == self.RUN and now - self.named_at.get(rank, -self.QUIET_S) >= self.QUIET_S:
+                self.named_at[rank] = now
+                own_mean, median_mean = (statistics.fmean(x) for x in zip(*run, strict=True))
+                self.logger.warning(
+                    f"straggler: rank {rank} ({self.hosts[rank]}) took {own_mean * 1000:,.0f} ms of its own compute "
+                    f"per step against a median of {median_mean * 1000:,.0f} ms ({own_mean / median_mean:.1f}x) for "
+                    f"the last {self.RUN} steps: every rank waits for it")

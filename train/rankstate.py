@@ -1,15 +1,38 @@
-"""This rank's state, for the chart's kill-ranks.sh (charts/deepspeed-training/files/kill-ranks.sh), which stops
-the ranks of a pod: `starting` until the first step of this run ends (nothing new to save: killed at once),
-`training`, and `stopping` once SIGTERM reached the Python handler (it saves at the next step: it gets the
-grace period). A rank stuck in a C++ collective never runs that handler, so it stays `training` and is killed
-after a short wait instead of holding the pod for the whole grace period. One file per rank,
-$DS_RANK_STATE_DIR/<pid>; nothing when the chart did not set DS_RANK_STATE_DIR (local runs, tests).
+"""This rank's state and heartbeat, for the chart's pod scripts: one file per rank, $DS_RANK_STATE_DIR/<pid>,
+replaced atomically; nothing when the chart did not set DS_RANK_STATE_DIR (local runs, tests). The file is
+
+    <state> [step=<n>] [step_s=<seconds>]
+
+and its mtime is the heartbeat. Two readers in the pod (charts/deepspeed-training/files/):
+- kill-ranks.sh, which stops the ranks: `starting` and `restoring` (no step finished since the rank started:
+  nothing to save) are killed at once; `training` still there 10 s after SIGTERM never ran its handler (stuck
+  in a C++ collective) and is killed then; `stopping` (SIGTERM reached the handler) gets the grace period.
+- watchdog.py, which ends a hung attempt: a rank `starting` for longer than the start-up budget, or `training`
+  with no new step for longer than the step budget (or STEP_MULTIPLE x its step time, whichever is larger),
+  is hung. Time in `restoring`, `saving` or `stopping` never counts. Before it kills, the watchdog sends
+  DUMP_SIGNAL: faulthandler, registered here, writes every thread's stack to <pid>.stacks from inside the
+  process (no ptrace; it also works while the rank is blocked in C++), and the report names the frame.
+
+The contract for any program (the train package, the Hugging Face callback in train/hf_callback.py, or a
+bring-your-own loop): call `beat(step)` once a step. A program that reports nothing is never judged.
+watchdog.py repeats STATES, UNCOUNTED_STATES, STEP_MULTIPLE and the signal; tests/test_pod_scripts.py checks
+that the two agree.
 """
 
+import faulthandler
 import os
+import signal
+import time
 from pathlib import Path
 
-STATES = ("starting", "training", "stopping")  # the words kill-ranks.sh reads
+STATES = ("starting", "restoring", "training", "saving", "stopping")
+UNCOUNTED_STATES = ("restoring", "saving", "stopping")  # time in these is never a hang
+STEP_MULTIPLE = 10  # a step budget is at least this many of the rank's own recent step times
+DUMP_SIGNAL = signal.SIGUSR1
+
+_dump_file = None  # kept open for faulthandler, which writes to its descriptor from the signal handler
+_last_beat: tuple[int, float] | None = None  # (step, time) of the previous beat
+_step_s = 0.0  # smoothed seconds per step
 
 
 def _path() -> Path | None:
@@ -17,26 +40,50 @@ def _path() -> Path | None:
     return Path(directory) / str(os.getpid()) if directory else None
 
 
-def report(state: str) -> None:
+def _install_stack_dump(path: Path) -> None:
+    global _dump_file
+    if _dump_file is None:
+        _dump_file = open(path.with_name(f"{path.name}.stacks"), "w")  # noqa: SIM115 - open for the process
+        faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True)
+
+
+def report(state: str, step: int | None = None) -> None:
     """Atomically replaces this rank's state; safe in a signal handler. Errors are ignored: the state only
-    shortens a shutdown, and a rank without one gets the full grace period."""
+    shortens a shutdown or names a hang, and a rank without one gets the full grace period and no judge."""
     assert state in STATES, state
+    global _last_beat
+    if state != "training":
+        _last_beat = None  # the next step's time starts after this (a save is not a slow step)
     path = _path()
     if path is None:
         return
+    fields = [state, *([f"step={step}"] if step is not None else []), *([f"step_s={_step_s:.3f}"] if _step_s else [])]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _install_stack_dump(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(state)
+        tmp.write_text(" ".join(fields) + "\n")
         os.replace(tmp, path)
     except OSError:
         pass
 
 
+def beat(step: int) -> None:
+    """One line per step for any program: this rank finished `step` (state `training`, fresh heartbeat)."""
+    global _last_beat, _step_s
+    now = time.monotonic()
+    if _last_beat is not None and step > _last_beat[0]:
+        per_step = (now - _last_beat[1]) / (step - _last_beat[0])
+        _step_s = per_step if not _step_s else 0.8 * _step_s + 0.2 * per_step
+    report("training", step)
+    _last_beat = (step, now)
+
+
 def clear() -> None:
     path = _path()
     if path is not None:
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        for leftover in (path, path.with_name(f"{path.name}.stacks")):
+            try:
+                leftover.unlink()
+            except OSError:
+                pass

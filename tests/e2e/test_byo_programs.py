@@ -3,14 +3,17 @@ Trainer script (`huggingface` convention, ds_config full of "auto"), a DeepSpeed
 (`deepspeed` convention) and a script whose arguments carry the chart's paths (`none` convention)."""
 
 import json
+import os
 import re
+import signal
 import subprocess
+import time
 
 import pytest
 
 from scripts.jinja_render import render as render_template
-from tests.e2e.chart_pods import REASON, e2e_values, render
-from tests.e2e.harness import Cluster
+from tests.e2e.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, e2e_values, render
+from tests.e2e.harness import Cluster, wait, wait_for
 from tests.helm_template import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -33,37 +36,52 @@ HF_ARGS = ["--use_cpu", "--per_device_train_batch_size=4", "--learning_rate=2e-3
            "--save_steps=5", "--report_to=none", "--seed=0", "--dataloader_num_workers=0"]
 
 
-def test_a_hugging_face_trainer_program_trains_checkpoints_and_resumes(shared_dir, tmp_path):
+def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_heartbeat(shared_dir, tmp_path):
     claim = tmp_path / "claim"
     claim.mkdir(mode=0o777)
     claim.chmod(0o777)
 
-    def attempt(max_steps):
+    def hf_values(max_steps):
         values = program_values(shared_dir, script=str(ROOT / "examples" / "hf_trainer.py"),
                                 argsConvention="huggingface", fillsDsConfigAuto=True,
                                 args=[*HF_ARGS, f"--max_steps={max_steps}"])
         values["deepspeed"]["config"] = hf_ds_config()
-        with Cluster(render(values)) as cluster:
-            subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.checkpoint_dir())], check=True)
-            code, log = cluster.run_launcher(timeout=300)
-            subprocess.run(["cp", "-a", f"{cluster.checkpoint_dir()}/.", str(claim)], check=True)
-            return code, log
+        values["hangDetection"] = {"enabled": True, "startupSeconds": 120, "stepSeconds": 10}
+        return values
 
-    code, log = attempt(10)
+    with Cluster(render(hf_values(10))) as cluster:
+        code, log = cluster.run_launcher(timeout=300)
+        subprocess.run(["cp", "-a", f"{cluster.checkpoint_dir()}/.", str(claim)], check=True)
     assert code == 0, log[-5000:]
     assert "--deepspeed /etc/deepspeed/config/ds_config.json --output_dir /checkpoints" in log
+    assert f"--ddp_timeout {COLLECTIVE_TIMEOUT_MINUTES * 60}" in log  # the chart's one collective timeout
     assert (claim / "checkpoint-10").is_dir() and (claim / "checkpoint-5").is_dir()
     history = json.loads((claim / "log_history.json").read_text())
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert len(losses) == 5 and losses[-1] < losses[0], losses
 
-    # The next attempt (a retry, or a redeploy that asks for more steps) resumes from checkpoint-10.
-    code, log = attempt(16)
+    # The next attempt (a redeploy that asks for more steps) resumes from checkpoint-10; one of its ranks then
+    # stops. The Trainer's own collective timeout would wait; the heartbeat of the example's one-line callback
+    # ends the attempt within the budget, and the retry in the pod resumes from the newest checkpoint.
+    with Cluster(render(hf_values(60))) as cluster:
+        subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.checkpoint_dir())], check=True)
+        workers = cluster.start_workers()
+        launcher = cluster.pods_of("launcher")[0]
+        run = cluster.start(launcher)
+        ckpt = cluster.checkpoint_dir()
+        wait_for(lambda: (ckpt / "checkpoint-20").is_dir(), 180, "checkpoint-20", launcher.log)
+        os.kill(cluster.rank_pids(workers[1], ranks_only=True)[0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        detected_at = wait_for(lambda: "hang on" in launcher.log(), 60, "the hang report", launcher.log)
+        code = wait(run, timeout=300)
+        log = launcher.log()
     assert code == 0, log[-5000:]
     assert "hf_trainer: resuming from /checkpoints/checkpoint-10" in log
-    assert "hf_trainer: done at global step 16" in log
-    history = json.loads((claim / "log_history.json").read_text())
-    assert [e["step"] for e in history if "loss" in e][-3:] == [12, 14, 16]
+    assert detected_at - stopped_at < 10 + 15, log[-3000:]
+    assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
+    retry = log[log.rindex("retry 1 of"):]
+    assert re.search(r"hf_trainer: resuming from /checkpoints/checkpoint-(\d+)", retry), retry[-3000:]
+    assert "hf_trainer: done at global step 60" in retry
 
 
 def argparse_losses(log: str) -> list[float]:

@@ -4,14 +4,18 @@ the failed one). A worker reaches the barrier only when its own ranks are gone; 
 between runs, so when everyone has joined, every rank of the previous run is gone.
 
 Usage: gang-barrier.py INDEX PORT TIMEOUT_SECONDS HOST...   (the hostfile's hosts, worker 0 first)
-Worker 0 listens on PORT; the others connect, send "JOIN <index>" and wait for "GO". Exits 0 when all workers
-met, 1 at the deadline naming the workers still missing. Standard library only: it runs before every attempt.
+Worker 0 listens on PORT; the others connect, send "JOIN <index>" and wait for "GO <run>": the attempt's name,
+which every worker writes to DS_RANK_STATE_DIR/run-id for its ranks (DS_RUN_ID: the hang watchdog's
+diagnostics/<run>). Exits 0 when all workers met, 1 at the deadline naming the workers still missing. Standard
+library only: it runs before every attempt.
 """
 
+import os
 import select
 import socket
 import sys
 import time
+from pathlib import Path
 
 LOG_EVERY_S = 5
 RETRY_S = 0.25  # a refused connection costs nothing; the run starts as soon as worker 0 listens
@@ -19,6 +23,13 @@ RETRY_S = 0.25  # a refused connection costs nothing; the run starts as soon as 
 
 def log(index: int, message: str) -> None:
     print(f"gang-barrier {index}: {message}", flush=True)
+
+
+def record_run(run: str) -> None:
+    directory = os.environ.get("DS_RANK_STATE_DIR")
+    if directory:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        Path(directory, "run-id").write_text(run)
 
 
 def listen(port: int) -> socket.socket:
@@ -40,9 +51,11 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
         while True:
             missing = sorted(set(waiting) - set(joined))
             if not missing:
+                run = time.strftime("run-%Y%m%dT%H%M%SZ", time.gmtime())
+                record_run(run)
                 for conn in joined.values():
                     try:
-                        conn.sendall(b"GO\n")
+                        conn.sendall(f"GO {run}\n".encode())
                     except OSError:
                         pass  # it left just now: the run's rendezvous will tell
                 log(0, f"all {len(hosts)} workers are here: starting the run")
@@ -99,7 +112,9 @@ def join(index: int, port: int, deadline: float, host0: str) -> int:
             with socket.create_connection((host0, port), timeout=2) as conn:
                 conn.sendall(f"JOIN {index}\n".encode())
                 conn.settimeout(max(1.0, deadline - time.monotonic()))
-                if conn.recv(16).startswith(b"GO"):
+                answer = conn.recv(64).decode(errors="replace").split()
+                if answer[:1] == ["GO"]:
+                    record_run(answer[1] if len(answer) == 2 and answer[1].isprintable() else "run")
                     log(index, "all workers are here: starting the run")
                     return 0
                 reason = "worker 0 closed the barrier before everyone arrived"

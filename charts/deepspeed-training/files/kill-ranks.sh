@@ -3,18 +3,23 @@
 # SIGKILL to those same processes after DS_KILL_GRACE_SECONDS. Run locally by worker.sh and nossh-worker.sh on
 # SIGTERM, and over SSH by launcher.sh, which clears ranks left by an earlier attempt before it starts a new one.
 #
-# Ranks that report their state in DS_RANK_STATE_DIR/<pid> (the train package does) do not hold the pod for
-# the whole grace period when they cannot save: `starting` (no step finished since the rank started: nothing
-# to save) is killed at once, and `training` still there ACK_SECONDS after SIGTERM means the rank never ran
-# its handler (stuck in a C++ collective, e.g. waiting for peers that are gone): it is killed then. Ranks that
-# acknowledged (`stopping`), and programs that report nothing, get the full grace.
+# Ranks that report their state in DS_RANK_STATE_DIR/<pid> (train/rankstate.py: the state is the file's first
+# word) do not hold the pod for the whole grace period when they cannot save: `starting` and `restoring` (no
+# step finished since the rank started: nothing to save) are killed at once, and `training` still there
+# ACK_SECONDS after SIGTERM means the rank never ran its handler (stuck in a C++ collective, e.g. waiting for
+# peers that are gone): it is killed then. Ranks that acknowledged (`stopping`) or are `saving`, and programs
+# that report nothing, get the full grace.
 set -uo pipefail
 grace="${DS_KILL_GRACE_SECONDS:?set by the chart (worker.terminationGracePeriodSeconds)}"
 state_dir="${DS_RANK_STATE_DIR:-}"
 ack_seconds=10
 me=$(id -u)
 log() { echo "kill-ranks: $(hostname): $*"; }
-state() { [[ -n "$state_dir" ]] && cat "$state_dir/$1" 2> /dev/null; }
+state() {
+  local word=""
+  [[ -n "$state_dir" ]] && read -r word _ < "$state_dir/$1" 2> /dev/null
+  echo "$word"
+}
 
 # The ranks are the children of deepspeed.launcher.launch; ranks whose launcher died carry its --local_rank=.
 launchers=$(pgrep -u "$me" -f 'deepspeed\.launcher\.launch' || true)
@@ -37,6 +42,7 @@ kill_where() {
 }
 
 kill_where starting "no step finished since it started, nothing to save"
+kill_where restoring "still loading its checkpoint, nothing to save"
 # Only the ranks: deepspeed.launcher.launch reaps them and exits, and would SIGKILL them itself after 30 s.
 # shellcheck disable=SC2086
 kill -TERM ${ranks:-$launchers} 2> /dev/null

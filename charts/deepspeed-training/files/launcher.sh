@@ -18,7 +18,7 @@ trap 'stopping=1; log "SIGTERM: stopping the DeepSpeed run"; if [[ -n "$child" ]
 source "$scripts_dir/ssh-setup.sh"
 hostfile="$DS_CONFIG_DIR/hostfile"
 # DeepSpeed forwards the KEY=VALUE lines of ~/.deepspeed_env to every rank.
-install -m 600 "$DS_CONFIG_DIR/deepspeed_env" "$HOME/.deepspeed_env"
+install -m 600 /dev/null "$HOME/.deepspeed_env"  # written before every run, with the run's name
 # pdsh's ssh must read our config (port, key, known_hosts) whatever the passwd home says.
 export PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="-F $HOME/.ssh/config"
 kill_ranks=(env "DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" "DS_RANK_STATE_DIR=$DS_RANK_STATE_DIR" bash "$scripts_dir/kill-ranks.sh")
@@ -32,9 +32,16 @@ for ((attempt = 0; ; attempt++)); do
   log "clearing ranks left by an earlier attempt"
   pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
 
-  log "running: $*"
+  # The attempt's name, for every rank (DS_RUN_ID): a hang's diagnostics go to diagnostics/<run>.
+  run_id="run-$(date -u +%Y%m%dT%H%M%SZ)"
+  { cat "$DS_CONFIG_DIR/deepspeed_env"; echo "DS_RUN_ID=$run_id"; } > "$HOME/.deepspeed_env"
+  log "running ($run_id): $*"
   run_in_background "$@"
   log "DeepSpeed exited with status $rc"
+  if ((rc != 0)) && [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
+    # What the workers' watchdogs found, if this run ended in a hang (nothing otherwise).
+    pdsh -S -w "$hosts" cat "$DS_RANK_STATE_DIR/hang-$run_id.txt" 2> /dev/null || true
+  fi
   # DeepSpeed's tuner exits 0 also when every experiment failed: only its optimal config means it finished.
   if ((rc == 0)) && [[ -n "${DS_AUTOTUNING_RESULTS:-}" ]]; then
     if [[ -f "$DS_AUTOTUNING_RESULTS/ds_config_optimal.json" ]]; then

@@ -2,7 +2,8 @@
 # Worker pod entrypoint in launchMode nossh (a pod of the workers' Indexed Job; no sshd, no launcher pod).
 # Usage: nossh-worker.sh DEEPSPEED_COMMAND...   (run as DEEPSPEED_COMMAND[0] --node_rank=<index> REST...)
 # Every run starts with the start barrier on worker 0 (gang-barrier.py): all workers between two runs, none
-# with ranks of an earlier run still alive. Then DeepSpeed's launcher starts this node's ranks. A failed run is
+# with ranks of an earlier run still alive. Then DeepSpeed's launcher starts this node's ranks. The hang
+# watchdog (watchdog.py) runs beside them when DS_HANG_STEP_SECONDS is set, and ends a hung attempt. A failed run is
 # started again, together with the other workers, up to DS_RUN_RETRIES times; then the pod fails (the Job's
 # backoffLimit replaces it, and the new pod joins the others at the barrier). The pod's exit status is the
 # last run's: success only when the program finished.
@@ -18,6 +19,9 @@ stopping=""
 trap 'stopping=1; log "SIGTERM: stopping local ranks"; bash "$scripts_dir/kill-ranks.sh" || true
       if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
 
+if [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
+  python3 "$scripts_dir/watchdog.py" &  # it exits with this script
+fi
 mapfile -t hosts < <(bash "$scripts_dir/hosts.sh" "$DS_CONFIG_DIR/hostfile")
 retries="${DS_RUN_RETRIES:-0}"
 for ((attempt = 0; ; attempt++)); do
@@ -25,7 +29,10 @@ for ((attempt = 0; ; attempt++)); do
     "$DS_WAIT_TIMEOUT_SECONDS" "${hosts[@]}"
   [[ -n "$stopping" ]] && exit 143
   ((rc == 0)) || exit "$rc"
-  log "running: $1 --node_rank=$node_rank ${*:2}"
+  # The attempt's name, the same on every worker (worker 0 hands it out at the barrier): diagnostics/<run>.
+  DS_RUN_ID="$(cat "$DS_RANK_STATE_DIR/run-id" 2> /dev/null || echo run)"
+  export DS_RUN_ID
+  log "running ($DS_RUN_ID): $1 --node_rank=$node_rank ${*:2}"
   run_in_background "$1" "--node_rank=$node_rank" "${@:2}"
   log "DeepSpeed exited with status $rc"
   ((rc == 0)) && exit 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Worker pod entrypoint: run a non-root sshd in the foreground for the launcher's pdsh.
-# On SIGTERM (eviction, scale-down) the local DeepSpeed ranks get SIGTERM first, so they can save a
-# checkpoint within the pod's grace period, then sshd stops.
+# Worker pod entrypoint: run a non-root sshd in the foreground for the launcher's pdsh, and the hang watchdog
+# (watchdog.py) beside it when DS_HANG_STEP_SECONDS is set. On SIGTERM (eviction, scale-down) the local
+# DeepSpeed ranks get SIGTERM first, so they can save a checkpoint within the pod's grace period, then sshd
+# stops.
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=ssh-setup.sh
@@ -30,6 +31,9 @@ stop() {
 }
 trap stop TERM INT
 
+if [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
+  python3 "$scripts_dir/watchdog.py" &  # it exits with this script
+fi
 sshd_bin="$(command -v sshd || echo /usr/sbin/sshd)"
 echo "worker: $(hostname) starting sshd on port $DS_SSH_PORT"
 "$sshd_bin" -D -e -f "$HOME/.ssh/sshd_config" &

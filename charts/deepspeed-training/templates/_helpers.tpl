@@ -303,6 +303,15 @@ and the pod need to stop. */}}
 {{- end }}
 - name: DS_RANK_STATE_DIR
   value: {{ include "deepspeed-training.rankStateDir" . | quote }}
+{{- with .Values.hangDetection }}
+{{- if .enabled }}
+# files/watchdog.py, in every worker pod: it judges the heartbeats in DS_RANK_STATE_DIR.
+- name: DS_HANG_STARTUP_SECONDS
+  value: {{ .startupSeconds | int | quote }}
+- name: DS_HANG_STEP_SECONDS
+  value: {{ .stepSeconds | int | quote }}
+{{- end }}
+{{- end }}
 - name: DS_RESUME_ACROSS_WORLD_SIZES
   value: {{ .Values.checkpoints.resumeAcrossWorldSizes | toJson | quote }}
 # Who owns the checkpoints: the train package records it in every checkpoint and refuses another release's.
@@ -338,9 +347,9 @@ and the pod need to stop. */}}
 {{- end }}
 
 {{/*
-Where ranks of the train package report their state (files/kill-ranks.sh reads it: a rank that has not
-finished a step since it started has nothing to save, one that does not acknowledge SIGTERM is stuck in a
-collective). Inside the pod's /tmp emptyDir.
+Where ranks report their state and heartbeat (train/rankstate.py; files/kill-ranks.sh reads it: a rank that has
+not finished a step since it started has nothing to save, one that does not acknowledge SIGTERM is stuck in a
+collective; files/watchdog.py judges the heartbeats). Inside the pod's /tmp emptyDir.
 */}}
 {{- define "deepspeed-training.rankStateDir" -}}/tmp/deepspeed-ranks{{- end }}
 

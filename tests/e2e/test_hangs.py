@@ -1,0 +1,101 @@
+"""Hangs and stragglers on the namespace hosts, both launch modes, with the budgets shortened by values: a hung
+rank is found by the watchdog in its pod within its budget, every rank's place is reported (the culprit named
+with its stack, in the log and under <checkpoints>/diagnostics/), and the retry resumes from the last complete
+checkpoint and finishes. A rank slowed by a SIGSTOP/SIGCONT duty cycle is named as a straggler first."""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.e2e.chart_pods import REASON, e2e_values, render
+from tests.e2e.harness import Cluster, step_losses, wait, wait_for
+from train import checkpoint
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+STEP_BUDGET_S = 10  # hangDetection.stepSeconds: the smallest the schema takes
+
+
+def hang_values(shared_dir, mode: str, **train) -> dict:
+    values = e2e_values(shared_dir, steps=400, log_every=20, checkpoint_every=20, **train)
+    values["launchMode"] = mode
+    values["job"]["runRetries"] = 1
+    values["hangDetection"] = {"enabled": True, "startupSeconds": 120, "stepSeconds": STEP_BUDGET_S}
+    values["worker"]["terminationGracePeriodSeconds"] = 20
+    values["train"]["config"]["model"] = {"n_layer": 4, "d_model": 128, "seq_len": 64}  # a forward of some ms
+    return values
+
+
+def duty_cycle(pid: int, stop: threading.Event, stopped_s: float = 0.02, running_s: float = 0.02) -> None:
+    """Keeps `pid` stopped half of the time, in slices shorter than its step: a rank on a throttled CPU."""
+    while not stop.is_set():
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(stopped_s)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(running_s)
+
+
+def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_retry_resumes(shared_dir):
+    with Cluster(render(hang_values(shared_dir, "ssh"))) as cluster:
+        workers = cluster.start_workers()
+        launcher = cluster.pods_of("launcher")[0]
+        run = cluster.start(launcher)
+        ckpt = cluster.checkpoint_dir()
+        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
+        assert "straggler" not in launcher.log()  # a healthy run names no rank
+        victim = cluster.rank_pids(workers[1], ranks_only=True)[0]
+        stop = threading.Event()
+        slowing = threading.Thread(target=duty_cycle, args=(victim, stop))
+        slowing.start()
+        try:
+            wait_for(lambda: "straggler: rank 1 " in launcher.log(), 90, "rank 1 named as a straggler", launcher.log)
+        finally:
+            stop.set()
+            slowing.join()
+        os.kill(victim, signal.SIGCONT)
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        detected_at = wait_for(lambda: "hang on" in launcher.log(), STEP_BUDGET_S + 30, "the hang report",
+                               launcher.log)
+        code = wait(run, timeout=300)
+        log = launcher.log()
+        assert code == 0, log[-5000:]
+        # Found within the budget (the last step came before the stop), and every rank placed.
+        assert detected_at - stopped_at < STEP_BUDGET_S + 15, log[-3000:]
+        assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
+        assert re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: all_reduce", log), \
+            log[-4000:]
+        diagnostics = list((ckpt / "diagnostics").glob("run-*/*.txt"))
+        assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
+        assert any("File " in p.read_text() and "in all_reduce" in p.read_text() for p in diagnostics)
+        # The retry resumed from a complete checkpoint and finished.
+        retry = log[log.rindex("retry 1 of 1"):]
+        resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
+        assert resumed >= 40 and max(step_losses(retry)) == 400
+        assert checkpoint.is_complete(ckpt / "step_00000400")
+
+
+def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and_the_retry_finishes(shared_dir):
+    values = hang_values(shared_dir, "nossh")
+    values["train"]["module"] = "tests.e2e.hang_probe"
+    values["env"] += [{"name": "HANG_RANK", "value": "1"}, {"name": "HANG_AT_STEP", "value": "50"}]
+    with Cluster(render(values)) as cluster:
+        worker0, worker1 = cluster.pods_of("worker")
+        processes = [cluster.start(w) for w in (worker0, worker1)]
+        codes = [wait(p, timeout=400) for p in processes]
+        log0, log1 = worker0.log(), worker1.log()
+        assert codes == [0, 0], log0[-4000:] + log1[-4000:]
+        # Worker 1's watchdog names the rank, its host and the frame it is stuck in.
+        assert re.search(r"watchdog: \S+: rank 1 \(pid \d+, local rank 0\) on \S+: in read_the_stuck_mount "
+                         r"\(\S+hang_probe.py:\d+\), not in a collective; likely the culprit", log1), log1[-4000:]
+        assert re.search(r"made no progress for \d+s \(budget 10s, training after step 49\)", log1), log1[-4000:]
+        ckpt = cluster.checkpoint_dir()
+        run = re.search(r"hang on \S+ \((run-\S+)\)", log1).group(1)
+        assert "read_the_stuck_mount" in (ckpt / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
+        # The attempt was retried in the same pods, from the last complete checkpoint, to the end.
+        assert "retry 1 of 1" in log0 and "retry 1 of 1" in log1
+        resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log0).group(1))
+        assert resumed == 40 and max(step_losses(log0)) == 400
