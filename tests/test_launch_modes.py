@@ -110,6 +110,11 @@ def test_the_collective_timeout_has_one_owner(values, message):
     assert message in err.value.stderr
 
 
+def test_a_failed_pod_of_either_mode_says_why_in_its_termination_message():
+    for docs, job in ((render_chart(), "-launcher-1"), (render_chart(NOSSH), "-worker-r1")):
+        assert container(one(docs, "Job", job))["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
 def test_the_hang_watchdog_gets_its_budgets_in_both_modes_and_goes_when_disabled():
     for mode, workload in ((NOSSH, workers_job), ({}, lambda docs: one(docs, "StatefulSet"))):
         env = env_of(workload(render_chart({**mode, "hangDetection": {"stepSeconds": 30}})))

@@ -43,6 +43,8 @@ spec:
     - name: worker
       image: {{ include "deepspeed-training.image" . | quote }}
       imagePullPolicy: {{ .Values.image.pullPolicy | quote }}
+      # A failed pod says why in `kubectl get pod` / `describe`: the end of its log (what failed, a hang's report).
+      terminationMessagePolicy: FallbackToLogsOnError
       {{- if $nossh }}
       command: ["bash", "{{ include "deepspeed-training.scriptsDir" . }}/nossh-worker.sh"]
       args:
