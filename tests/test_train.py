@@ -1,5 +1,6 @@
 """The train package with the real DeepSpeed engine on 2 CPU ranks (gloo)."""
 
+import json
 import os
 import re
 import shutil
@@ -68,6 +69,8 @@ def test_resume_continues_with_the_same_losses(tmp_path, uninterrupted):
     second = run_train([*common, "--steps", "16"])
     assert second.returncode == 0, second.stdout[-4000:]
     assert f"resumed from {ckpt / 'step_00000008'} at step 8" in second.stdout
+    assert "to save, but a SIGTERM" not in second.stdout  # no grace known here: nothing to warn about
+    assert json.loads((ckpt / "step_00000008" / checkpoint.COMMIT_FILE).read_text())["save_s"] > 0
     resumed, expected = losses(ckpt), losses(reference)
     assert sorted(resumed) == list(range(9, 17))
     for step in range(9, 17):

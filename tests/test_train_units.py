@@ -157,6 +157,19 @@ def test_the_watchdog_reads_the_contract_the_ranks_write():
         assert watchdog[name] == getattr(rankstate, name), name
 
 
+def test_a_checkpoint_slower_to_save_than_the_sigterm_grace_is_warned_about(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from train import checkpoint
+    logger = logging.getLogger("test-grace")
+    monkeypatch.setenv("DS_KILL_GRACE_SECONDS", "20")
+    with caplog.at_level(logging.WARNING, logger="test-grace"):
+        checkpoint.check_save_fits_grace({"save_s": 12.5}, tmp_path, logger)
+        assert not caplog.records
+        checkpoint.check_save_fits_grace({"save_s": 31.0}, tmp_path, logger)
+    assert "took 31s to save, but a SIGTERM (eviction, preemption, upgrade) leaves the ranks 20s" in caplog.text
+
+
 def test_model_flops_per_token_follow_palm_by_hand():
     from train import mfu
     from train.model import GPT

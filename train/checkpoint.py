@@ -162,6 +162,16 @@ def agree_on_resume_tag(ckpt_dir: Path, rank: int, world_size: int, logger) -> s
     return tag
 
 
+def check_save_fits_grace(manifest: dict, tag_dir: Path, logger) -> None:
+    """Warns when the checkpoint took longer to save than the ranks get after SIGTERM (the chart's
+    DS_KILL_GRACE_SECONDS): a preemption's save would then be cut off, and its steps lost."""
+    grace, took = os.environ.get("DS_KILL_GRACE_SECONDS", ""), manifest.get("save_s")
+    if grace.isdigit() and isinstance(took, (int, float)) and took > int(grace):
+        logger.warning(f"checkpoint {tag_dir} took {took:.0f}s to save, but a SIGTERM (eviction, preemption, "
+                       f"upgrade) leaves the ranks {grace}s: that save would be cut off and the steps since the "
+                       "last periodic checkpoint lost; raise worker.terminationGracePeriodSeconds")
+
+
 def saved_layout(manifest: dict, layout: dict) -> dict:
     return {key: manifest.get(key, LAYOUT_DEFAULTS.get(key, value)) for key, value in layout.items()}
 
@@ -242,6 +252,7 @@ def _convert(source: Path, target: Path) -> None:
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layout: dict, ds_config: dict) -> str:
     """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits on rank 0. The manifest records
     the owning release, the layout and the ds_config (a resume checks and compares them)."""
+    started = time.perf_counter()
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
     if dist.get_rank() == 0 and tag_dir.exists():  # left by an attempt that died mid-save
@@ -254,7 +265,8 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layou
                 os.fsync(f.fileno())
     dist.barrier()
     if dist.get_rank() == 0:
-        manifest = {"step": step, "release": release(), **layout, "ds_config": ds_config, "files": _files(tag_dir)}
+        manifest = {"step": step, "release": release(), "save_s": round(time.perf_counter() - started, 3), **layout,
+                    "ds_config": ds_config, "files": _files(tag_dir)}
         write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
         write_atomic(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep)

@@ -129,6 +129,8 @@ def resume(engine, cfg: TrainConfig, inputs: Inputs, rank: int, layout: dict) ->
         return 0, 0
     manifest = checkpoint.read_manifest(ckpt_dir / tag)
     checkpoint.check_owner(manifest, ckpt_dir / tag, owner)
+    if rank == 0:
+        checkpoint.check_save_fits_grace(manifest, ckpt_dir / tag, logger)
     effect, kept = dsconfig.resume_changes(manifest.get("ds_config"), inputs.ds_config, cfg.reset_optimizer,
                                            cfg.ds_config)
     saved = checkpoint.saved_layout(manifest, layout)
