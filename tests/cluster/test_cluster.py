@@ -195,6 +195,12 @@ def test_a_killed_rank_fails_the_attempt_and_the_jobs_retry_resumes(namespace, s
     assert job["status"].get("failed") == 1 and job["status"].get("succeeded") == 1, attempts_summary(namespace)
     resumed = [line for line in logs.splitlines() if "resumed from /checkpoints/step_" in line]
     assert resumed and int(resumed[-1].split("step_")[1].split()[0]) >= 20, logs[-4000:]
+    # The failed pod says why where `kubectl get/describe pod` shows it (terminationMessagePolicy).
+    pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
+                              namespace=namespace))["items"]
+    messages = [c["state"]["terminated"].get("message", "") for p in pods if p["status"].get("phase") == "Failed"
+                for c in p["status"]["containerStatuses"]]
+    assert messages and "no retries left (job.runRetries=0)" in messages[0], messages
     assert "INFO step 150/150" in logs
     complete = worker_exec(namespace, 0, "python3", "-c", "from pathlib import Path; from train import checkpoint "
                            "as c; d = Path('/checkpoints'); print(all(c.is_complete(t) for t in "
