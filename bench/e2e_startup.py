@@ -5,11 +5,17 @@
    step, for launchMode ssh (sshd workers + launcher: SSH checks, clearing stale ranks, pdsh) and nossh (the
    start barrier, then `deepspeed --no_ssh` per pod), against bare `deepspeed --no_ssh` started directly on
    each host with the same hostfile and program (no entrypoint scripts, no SSH, no barrier). Goal: <= 1.1x bare.
-2. Fault drill, both modes: SIGKILL one rank of worker 1 mid-run and measure the time from the kill to the
-   first optimizer step of the retry (in-pod retry: job.runRetries), the steps lost, and the pods
-   recreated (none: the cost does not grow with the number of workers). Goal: <= 15 s on 2 hosts.
+2. Fault drill, both modes, with the chart's default hang budgets: one rank of worker 1 mid-run is
+   - crash: SIGKILLed;
+   - hang in a collective: SIGSTOPped (its peers wait in their all_reduce; it answers nothing);
+   - hang outside: blocked opening a FIFO at step 50 (tests/e2e/hang_probe.py: a data loader on a dead mount);
+   - straggler: stopped half of the time in 20 ms slices;
+   and the drill measures the time from the fault (for a hang: from the last step before it) to its detection
+   (the run failing, the watchdog's report, the straggler line) and to the first optimizer step of the retry
+   (in-pod retry: job.runRetries), the steps lost and the pods recreated (none: the cost does not grow with the
+   number of workers). Goals: a crash <= 15 s, a hang detected and resumed <= 150 s after its last step.
 
-    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 2]
+    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 2] [--faults crash,collective,outside,straggler]
 """
 
 import argparse
@@ -18,6 +24,7 @@ import re
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.e2e.chart_pods import UID, e2e_values, render  # noqa: E402
 from tests.e2e.harness import Cluster, ensure_user, namespaces_available, prebuilt_ops_for_pods, step_losses, wait_for  # noqa: E402
+from tests.e2e.test_hangs import duty_cycle  # noqa: E402
 
 FIRST_STEP = re.compile(r"\[rank 0\] INFO step 1/")
 
@@ -82,18 +90,47 @@ def bare_startup(extensions: Path) -> float:
         return first - started
 
 
-def fault_trial(extensions: Path, mode: str) -> dict:
-    with Cluster(render(values(extensions, mode, steps=200, log_every=1, checkpoint_every=20))) as cluster:
+FAULTS = ("crash", "collective", "outside", "straggler")
+DETECTED = {"crash": re.compile(r"DeepSpeed exited with status [1-9]"), "collective": re.compile(r"hang on "),
+            "outside": re.compile(r"hang on "), "straggler": re.compile(r"straggler: rank 1 ")}
+
+
+def fault_trial(extensions: Path, mode: str, fault: str) -> dict:
+    v = values(extensions, mode, steps=200 if fault != "straggler" else 100000, log_every=1, checkpoint_every=20)
+    if fault == "outside":
+        v["train"]["module"] = "tests.e2e.hang_probe"
+        v["env"] += [{"name": "HANG_RANK", "value": "1"}, {"name": "HANG_AT_STEP", "value": "50"}]
+    with Cluster(render(v)) as cluster:
         for pod in cluster.pods:
             cluster.start(pod)
         log_pod = rank0_pod(cluster)
-        wait_for_text(log_pod, re.compile(r"INFO step 5[0-9]/"), 300)
+        wait_for_text(log_pod, re.compile(r"INFO step (4[5-9]|5[0-9])/"), 300)
         worker1 = cluster.pods_of("worker")[1]
         victim = cluster.rank_pids(worker1, ranks_only=True)[0]
-        done = max(step_losses(log_pod.log()))
         attempts = {pod.name: pod.attempt for pod in cluster.pods}
-        killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
+        logs = lambda: "".join(pod.log() for pod in cluster.pods)  # noqa: E731 - the watchdogs log in the workers
+        if fault == "straggler":
+            slowed = time.monotonic()
+            stop = threading.Event()
+            slowing = threading.Thread(target=duty_cycle, args=(victim, stop))
+            slowing.start()
+            try:
+                named = wait_for(lambda: DETECTED[fault].search(logs()), 300, "the straggler line", logs, 0.05)
+            finally:
+                stop.set()
+                slowing.join()
+            for pod in cluster.pods:
+                cluster.kill(pod)
+            return {"detected_s": named - slowed, "recovery_s": None, "trained": None, "resumed": None,
+                    "lost": None, "recreated": 0, "ok": True}
+        if fault == "outside":  # the probe blocks at the start of step 50: the fault begins after step 49
+            wait_for_text(log_pod, re.compile(r"INFO step 49/"), 300)
+            killed = time.monotonic()
+        else:
+            killed = time.monotonic()
+            os.kill(victim, signal.SIGKILL if fault == "crash" else signal.SIGSTOP)
+        done = max(step_losses(log_pod.log()))
+        detected = wait_for(lambda: DETECTED[fault].search(logs()), 600, f"{fault} detected", logs, 0.05)
 
         def resumed_step():
             log = log_pod.log()
@@ -105,14 +142,17 @@ def fault_trial(extensions: Path, mode: str) -> dict:
         log = log_pod.log()
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log).group(1))
         recreated = [pod.name for pod in cluster.pods if pod.attempt != attempts[pod.name]]
-        return {"recovery_s": recovered - killed, "trained": done, "resumed": resumed, "lost": done - resumed,
-                "recreated": len(recreated), "ok": codes == [0] * len(codes) and max(step_losses(log)) == 200}
+        return {"detected_s": detected - killed, "recovery_s": recovered - killed, "trained": done, "resumed": resumed,
+                "lost": done - resumed, "recreated": len(recreated),
+                "ok": codes == [0] * len(codes) and max(step_losses(log)) == 200}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, of: " + ", ".join(FAULTS))
+    parser.add_argument("--no-startup", action="store_true", help="the fault drill only")
     args = parser.parse_args()
     reason = namespaces_available()
     if reason:
@@ -121,25 +161,29 @@ def main() -> int:
     ensure_user(UID, "/home/deepspeed")
     extensions = prebuilt_ops_for_pods(UID)
     rows = {"bare deepspeed --no_ssh per host": [], "chart, launchMode ssh": [], "chart, launchMode nossh": []}
-    for _ in range(args.repeats):  # interleaved, so drift hits every row alike
+    for _ in range(0 if args.no_startup else args.repeats):  # interleaved, so drift hits every row alike
         rows["bare deepspeed --no_ssh per host"].append(bare_startup(extensions))
         rows["chart, launchMode ssh"].append(chart_startup(extensions, "ssh"))
         rows["chart, launchMode nossh"].append(chart_startup(extensions, "nossh"))
-    bare = statistics.median(rows["bare deepspeed --no_ssh per host"])
-    print("start-up: all pods started -> first optimizer step (2 hosts x 1 CPU rank, ZeRO-2)")
-    print(f"{'':<36}{'median s':>9}{'vs bare':>9}   runs")
-    for name, runs in rows.items():
-        print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
-              + " ".join(f"{x:.1f}" for x in runs))
-    print("\nfault drill: SIGKILL a rank of worker 1 at step ~50 of 200, checkpoint every 20, collective timeout "
-          "1 min, runRetries 1")
-    print(f"{'mode':<7}{'trial':>6}{'kill -> first step of retry s':>32}{'trained':>9}{'resumed':>9}{'lost':>6}"
-          f"{'pods recreated':>16}{'finished':>10}")
-    for mode in ("ssh", "nossh"):
-        for i in range(args.trials):
-            t = fault_trial(extensions, mode)
-            print(f"{mode:<7}{i + 1:>6}{t['recovery_s']:>32.1f}{t['trained']:>9}{t['resumed']:>9}{t['lost']:>6}"
-                  f"{t['recreated']:>16}{str(t['ok']):>10}", flush=True)
+    if not args.no_startup:
+        bare = statistics.median(rows["bare deepspeed --no_ssh per host"])
+        print("start-up: all pods started -> first optimizer step (2 hosts x 1 CPU rank, ZeRO-2)")
+        print(f"{'':<36}{'median s':>9}{'vs bare':>9}   runs")
+        for name, runs in rows.items():
+            print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
+                  + " ".join(f"{x:.1f}" for x in runs))
+    print("\nfault drill: a rank of worker 1 at step ~50 of 200, checkpoint every 20, the chart's hang budgets "
+          "(300 s to the first step, 120 s per step), runRetries 1")
+    print(f"{'fault':<11}{'mode':<7}{'trial':>6}{'detected after s':>18}{'resumed after s':>17}{'trained':>9}"
+          f"{'resumed':>9}{'lost':>6}{'pods recreated':>16}{'finished':>10}")
+    show = lambda x: "-" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
+    for fault in args.faults.split(","):
+        for mode in ("ssh", "nossh"):
+            for i in range(args.trials):
+                t = fault_trial(extensions, mode, fault)
+                print(f"{fault:<11}{mode:<7}{i + 1:>6}{show(t['detected_s']):>18}{show(t['recovery_s']):>17}"
+                      f"{show(t['trained']):>9}{show(t['resumed']):>9}{show(t['lost']):>6}{t['recreated']:>16}"
+                      f"{str(t['ok']):>10}", flush=True)
     return 0
 
 
