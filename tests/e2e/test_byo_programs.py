@@ -63,7 +63,7 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
     # The next attempt (a redeploy that asks for more steps) resumes from checkpoint-10; one of its ranks then
     # stops. The Trainer's own collective timeout would wait; the heartbeat of the example's one-line callback
     # ends the attempt within the budget, and the retry in the pod resumes from the newest checkpoint.
-    with Cluster(render(hf_values(60))) as cluster:
+    with Cluster(render(hf_values(35))) as cluster:
         subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.checkpoint_dir())], check=True)
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
@@ -81,7 +81,7 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
     assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
     retry = log[log.rindex("retry 1 of"):]
     assert re.search(r"hf_trainer: resuming from /checkpoints/checkpoint-(\d+)", retry), retry[-3000:]
-    assert "hf_trainer: done at global step 60" in retry
+    assert "hf_trainer: done at global step 35" in retry
 
 
 def argparse_losses(log: str) -> list[float]:
