@@ -64,6 +64,8 @@ class Rank:
             self.step_s = float(fields.get("step_s", 0))
         except ValueError:
             self.step_s = 0.0
+        if not 0 <= self.step_s < 86400:  # nan, inf or nonsense from a program's own writer: the plain budget
+            self.step_s = 0.0
         if self.state in UNCOUNTED_STATES:
             self.uncounted_until = now
         return True
