@@ -9,7 +9,7 @@
    - crash: SIGKILLed;
    - hang in a collective: SIGSTOPped (its peers wait in their all_reduce; it answers nothing);
    - hang outside: blocked opening a FIFO at step 50 (tests/e2e/hang_probe.py: a data loader on a dead mount);
-   - straggler: stopped half of the time in 20 ms slices;
+   - straggler: stopped 3/4 of the time in 30 ms slices;
    and the drill measures the time from the fault (for a hang: from the last step before it) to its detection
    (the run failing, the watchdog's report, the straggler line) and to the first optimizer step of the retry
    (in-pod retry: job.runRetries), the steps lost and the pods recreated (none: the cost does not grow with the
