@@ -740,6 +740,7 @@ def demo(r: Rendered, manifests: str) -> int:
     for item in r.effective["env"]:
         if "value" in item:
             env[item["name"]] = item["value"]
+    env["DEEPSPEED_TIMEOUT"] = paths["DEEPSPEED_TIMEOUT"]  # the chart's one collective timeout, as the pods get it
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"demo: world size {r.world_size} on this machine ({r.world_size} CPU ranks)", flush=True)
     if not shutil.which("deepspeed"):

@@ -121,6 +121,7 @@ def test_make_demo_runs_the_dev_render_as_a_local_deepspeed_job():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "--ds-config=" + str(ROOT / "build/base/dev/ds_config.json") in proc.stdout
     assert "[rank 0] INFO step 40/40" in proc.stdout
+    assert "collective timeout 2 min" in proc.stdout  # values/dev.yaml's, as the pods would get it
     assert "demo: done; checkpoints in build/demo/base/checkpoints" in proc.stdout
     assert json.loads((ROOT / "build/demo/base/checkpoints/metrics.json").read_text())["steps"] == 40
 
