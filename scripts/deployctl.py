@@ -726,9 +726,10 @@ def demo(r: Rendered, manifests: str) -> int:
     launcher = job["spec"]["template"]["spec"]["containers"][0]
     runner = launcher["args"]
     start = next(i for i, arg in enumerate(runner[1:], 1) if arg == "--module" or not arg.startswith("--"))
-    paths = {e["name"]: e["value"] for e in launcher["env"] if "value" in e}
-    local = {paths["DS_CONFIG_PATH"]: str(r.out / "ds_config.json"),
-             paths["DS_TRAIN_CONFIG_PATH"]: str(r.out / "train_config.json"), paths["DS_CHECKPOINT_DIR"]: str(ckpt),
+    chart_env = {e["name"]: e["value"] for e in launcher["env"] if "value" in e}
+    local = {chart_env["DS_CONFIG_PATH"]: str(r.out / "ds_config.json"),
+             chart_env["DS_TRAIN_CONFIG_PATH"]: str(r.out / "train_config.json"),
+             chart_env["DS_CHECKPOINT_DIR"]: str(ckpt),
              IMAGE_EXAMPLES: str(ROOT / "examples")}
     program = []
     for arg in runner[start:]:
@@ -740,7 +741,7 @@ def demo(r: Rendered, manifests: str) -> int:
     for item in r.effective["env"]:
         if "value" in item:
             env[item["name"]] = item["value"]
-    env["DEEPSPEED_TIMEOUT"] = paths["DEEPSPEED_TIMEOUT"]  # the chart's one collective timeout, as the pods get it
+    env["DEEPSPEED_TIMEOUT"] = chart_env["DEEPSPEED_TIMEOUT"]  # the one collective timeout, as the pods get it
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"demo: world size {r.world_size} on this machine ({r.world_size} CPU ranks)", flush=True)
     if not shutil.which("deepspeed"):
