@@ -150,3 +150,33 @@ def test_kill_ranks_does_not_hold_the_pod_for_ranks_that_cannot_save(docs):
         assert re.search(r"SIGKILL to \d+: no answer to SIGTERM in 10s", out), out
         assert "codes [-9, -9, 0]" in out, out
         assert int(re.search(r"took (\d+)s", out).group(1)) <= 15 and elapsed < 40, out
+
+
+FAKE_RANK = """
+import sys, time
+from train import rankstate
+rankstate.report(sys.argv[1], step=7)
+time.sleep(120)
+"""
+
+
+def test_the_watchdog_ends_a_save_that_never_ends_and_never_judges_a_stopping_rank(docs):
+    """A rank stopped in the middle of a save hangs its peers there too: `saving` has its own budget (here 2 s),
+    not none. A rank that acknowledged SIGTERM (`stopping`) is the grace period's to end, not the watchdog's."""
+    with Cluster(docs) as cluster:
+        worker = cluster.pods_of("worker")[0]
+        script = (f"cat > /tmp/fake_rank.py <<'EOF'\n{FAKE_RANK}\nEOF\n"
+                  f"export PYTHONPATH={ROOT} DS_HANG_STARTUP_SECONDS=100 DS_HANG_STEP_SECONDS=100 "
+                  "DS_HANG_CHECKPOINT_SECONDS=2; "
+                  "python3 /tmp/fake_rank.py stopping --local_rank=1 & stopping=$!; "
+                  "python3 /tmp/fake_rank.py saving --local_rank=0 & saving=$!; "
+                  f"python3 {SCRIPTS}/watchdog.py & dog=$!; "
+                  "wait $saving; echo \"saving rank: $?\"; wait $stopping; echo \"stopping rank: $?\"; "
+                  "kill $dog; echo \"pids saving=$saving stopping=$stopping\"")
+        result = cluster.exec(worker, ["bash", "-c", script], timeout=60)
+        out = result.stdout
+        saving, stopping = re.search(r"pids saving=(\d+) stopping=(\d+)", out).groups()
+        hung = next(line for line in out.splitlines() if "hang on" in line)
+        assert f"(pid {saving}, " in hung and "(budget 2s, saving after step 7)" in hung, out
+        assert f"(pid {stopping}, " not in hung, out
+        assert "saving rank: 137" in out and "stopping rank: 137" in out, out  # the attempt ends for every rank

@@ -7,15 +7,17 @@ and its mtime is the heartbeat. Two readers in the pod (charts/deepspeed-trainin
 - kill-ranks.sh, which stops the ranks: `starting` and `restoring` (no step finished since the rank started:
   nothing to save) are killed at once; `training` still there 10 s after SIGTERM never ran its handler (stuck
   in a C++ collective) and is killed then; `stopping` (SIGTERM reached the handler) gets the grace period.
-- watchdog.py, which ends a hung attempt: a rank `starting` for longer than the start-up budget, or `training`
-  with no new step for longer than the step budget (or STEP_MULTIPLE x its step time, whichever is larger),
-  is hung. Time in `restoring`, `saving` or `stopping` never counts. Before it kills, the watchdog sends
+- watchdog.py, which ends a hung attempt: a rank `starting` for longer than the start-up budget, `training`
+  with no new step for longer than the step budget (or STEP_MULTIPLE x its step time, whichever is larger), or
+  in one of CHECKPOINT_STATES for longer than the checkpoint budget is hung. Time in a checkpoint state does not
+  count against the step budget, and `stopping` is never judged (the pod's grace period bounds it). Before it
+  kills, the watchdog sends
   DUMP_SIGNAL: faulthandler, registered here, writes every thread's stack to <pid>.stacks from inside the
   process (no ptrace; it also works while the rank is blocked in C++), and the report names the frame.
 
 The contract for any program (the train package, the Hugging Face callback in train/hf_callback.py, or a
 bring-your-own loop): call `beat(step)` once a step. A program that reports nothing is never judged.
-watchdog.py repeats STATES, UNCOUNTED_STATES, STEP_MULTIPLE and the signal; tests/test_pod_scripts.py checks
+watchdog.py repeats STATES, CHECKPOINT_STATES, STEP_MULTIPLE and the signal; tests/test_pod_scripts.py checks
 that the two agree.
 """
 
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 
 STATES = ("starting", "restoring", "training", "saving", "stopping")
-UNCOUNTED_STATES = ("restoring", "saving", "stopping")  # time in these is never a hang
+CHECKPOINT_STATES = ("restoring", "saving")  # judged by their own budget, not the step budget
 STEP_MULTIPLE = 10  # a step budget is at least this many of the rank's own recent step times
 DUMP_SIGNAL = signal.SIGUSR1
 

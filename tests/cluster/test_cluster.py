@@ -211,22 +211,31 @@ def test_a_killed_rank_fails_the_attempt_and_the_jobs_retry_resumes(namespace, s
 def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_resumes(namespace, shared_claim):
     """The hang drill on a real kubelet: the watchdog runs in the restricted worker pods (no ptrace), dumps the
     stacks from inside the ranks, and ends the attempt; the launcher's retry resumes in the same pod."""
-    install(namespace, steps=400, train_config={"checkpoint_every": 20}, checkpoints={"existingClaim": shared_claim},
+    # Enough steps that the stop lands mid-run on a fast node too (CI trained 60 steps/s: 400 steps were gone in 7 s).
+    steps = 1000
+    install(namespace, steps=steps, train_config={"checkpoint_every": 20}, checkpoints={"existingClaim": shared_claim},
             launcher={"scaleDownWorkers": False}, job={"runRetries": 1},
-            hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10})
-    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000040", 300, "checkpoint 40",
+            hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
+    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000020", 300, "checkpoint 20",
              lambda: diagnose(namespace))
+    # Training goes on while the test polls: the retry must resume from at least what was saved before the stop.
+    # The stop may land in a save (every 20 steps): checkpointSeconds bounds that, as stepSeconds bounds a step.
+    saved_before_stop = int(latest_checkpoint(namespace).removeprefix("step_"))
     worker_exec(namespace, 1, "pkill", "-STOP", "-f", "--", "--local_rank=")
     outcome = wait_for(lambda: job_outcome(namespace), 300, "the Job to finish", lambda: diagnose(namespace))
     logs = launcher_logs(namespace)
     assert outcome == "Complete", attempts_summary(namespace)
     assert get("job", LAUNCHER, namespace)["status"].get("failed") is None, attempts_summary(namespace)
     assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+worker-1: process stopped", logs), logs[-6000:]
-    assert re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+worker-0: waits in a collective", logs), logs[-6000:]
+    waits = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+worker-0: waits in a collective: (\w+)", logs)
+    assert waits, logs[-6000:]
     retry = logs[logs.rindex("retry 1 of 1"):]
-    assert re.search(r"resumed from /checkpoints/step_000000[4-9]0", retry) and "INFO step 400/400" in retry
+    resumed = re.search(r"resumed from /checkpoints/step_(\d+) ", retry)
+    assert resumed and saved_before_stop <= int(resumed[1]) < steps, retry[-4000:]
+    assert f"INFO step {steps}/{steps}" in retry, retry[-4000:]
+    # The stacks behind the report (in a step's all_reduce, or a save's collective when the stop hit a save).
     stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/diagnostics/run-*/*worker-0.txt")
-    assert "in all_reduce" in stacks
+    assert f"in {waits[1]}" in stacks
 
 
 def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resumes(namespace, shared_claim):

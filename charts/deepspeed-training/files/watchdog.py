@@ -2,9 +2,11 @@
 
 Every rank that reports progress keeps a state file, DS_RANK_STATE_DIR/<pid> (train/rankstate.py: `<state>
 [step=N] [step_s=S]`, its mtime the heartbeat). A rank is hung when its file has not changed for longer than
-its budget: DS_HANG_STARTUP_SECONDS while `starting` (from its first report to its first step), and while
-`training` DS_HANG_STEP_SECONDS or STEP_MULTIPLE x its own recent step time, whichever is larger. Time in
-`restoring`, `saving` or `stopping` never counts; a program that reports nothing is never judged.
+its budget: DS_HANG_STARTUP_SECONDS while `starting` (from its first report to its first step), while
+`training` DS_HANG_STEP_SECONDS or STEP_MULTIPLE x its own recent step time, whichever is larger, and
+DS_HANG_CHECKPOINT_SECONDS while `restoring` or `saving` (a rank stopped in the middle of a save hangs its peers
+there too). Time in those two does not count against the step budget; `stopping` is never judged (the pod's
+grace period bounds it), and a program that reports nothing is never judged.
 
 On a hang, before anything is killed, every rank of this pod is asked for its stacks (DUMP_SIGNAL: faulthandler,
 registered inside the rank, writes <pid>.stacks; no ptrace needed). The report says, per rank, whether it
@@ -28,7 +30,7 @@ from pathlib import Path
 
 # The contract of train/rankstate.py (tests/test_pod_scripts.py checks that both say the same).
 STATES = ("starting", "restoring", "training", "saving", "stopping")
-UNCOUNTED_STATES = ("restoring", "saving", "stopping")
+CHECKPOINT_STATES = ("restoring", "saving")
 STEP_MULTIPLE = 10
 DUMP_SIGNAL = signal.SIGUSR1
 
@@ -66,16 +68,21 @@ class Rank:
             self.step_s = 0.0
         if not 0 <= self.step_s < 86400:  # nan, inf or nonsense from a program's own writer: the plain budget
             self.step_s = 0.0
-        if self.state in UNCOUNTED_STATES:
+        if self.state in CHECKPOINT_STATES:
             self.uncounted_until = now
         return True
 
-    def budget(self, startup_s: float, step_s: float) -> float:
-        return startup_s if self.state == "starting" else max(step_s, STEP_MULTIPLE * self.step_s)
+    def budget(self, budgets: dict[str, float]) -> float:
+        if self.state == "training":
+            return max(budgets["training"], STEP_MULTIPLE * self.step_s)
+        return budgets["checkpoint" if self.state in CHECKPOINT_STATES else self.state]
 
     def quiet_for(self, now: float, wall_now: float) -> float:
-        """Seconds without progress: since the last report (the first one, for a rank still starting) or the
-        end of an uncounted state."""
+        """Seconds without progress: since the last report (the first one, for a rank still starting; the
+        start of the save or restore, for one in a checkpoint state), or, training, since the end of the last
+        checkpoint state."""
+        if self.state in CHECKPOINT_STATES:
+            return wall_now - self.mtime
         return min(wall_now - self.mtime, now - self.uncounted_until)
 
     def name(self) -> str:
@@ -181,13 +188,15 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
 
 def main() -> int:
     state_dir = Path(os.environ["DS_RANK_STATE_DIR"])
-    startup_s = float(os.environ["DS_HANG_STARTUP_SECONDS"])
-    step_s = float(os.environ["DS_HANG_STEP_SECONDS"])
+    budgets = {"starting": float(os.environ["DS_HANG_STARTUP_SECONDS"]),
+               "training": float(os.environ["DS_HANG_STEP_SECONDS"]),
+               "checkpoint": float(os.environ["DS_HANG_CHECKPOINT_SECONDS"])}
     parent = os.getppid()
     ranks: dict[int, Rank] = {}
     ended: set[int] = set()  # killed here: judged once
-    log(f"watching the ranks' progress in {state_dir}: a rank is hung after {startup_s:.0f}s without a first step, "
-        f"then {step_s:.0f}s (or {STEP_MULTIPLE}x its step time) without a new one")
+    log(f"watching the ranks' progress in {state_dir}: a rank is hung after {budgets['starting']:.0f}s without a "
+        f"first step, then {budgets['training']:.0f}s (or {STEP_MULTIPLE}x its step time) without a new one, or "
+        f"{budgets['checkpoint']:.0f}s in one save or restore")
     while os.getppid() == parent:
         time.sleep(POLL_S)
         now, wall_now = time.monotonic(), time.time()
@@ -206,8 +215,8 @@ def main() -> int:
             rank = ranks.get(pid) or ranks.setdefault(pid, Rank(pid))
             if not rank.refresh(state_dir / str(pid), now):
                 del ranks[pid]
-        hung = [(r, r.quiet_for(now, wall_now), r.budget(startup_s, step_s)) for r in ranks.values()
-                if r.state not in UNCOUNTED_STATES]
+        hung = [(r, r.quiet_for(now, wall_now), r.budget(budgets)) for r in ranks.values()
+                if r.state != "stopping"]
         hung = [h for h in hung if h[1] > h[2]]
         if not hung:
             continue

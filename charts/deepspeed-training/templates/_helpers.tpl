@@ -310,6 +310,8 @@ and the pod need to stop. */}}
   value: {{ .startupSeconds | int | quote }}
 - name: DS_HANG_STEP_SECONDS
   value: {{ .stepSeconds | int | quote }}
+- name: DS_HANG_CHECKPOINT_SECONDS
+  value: {{ .checkpointSeconds | int | quote }}
 {{- end }}
 {{- end }}
 - name: DS_RESUME_ACROSS_WORLD_SIZES
