@@ -10,12 +10,18 @@
    - hang in a collective: SIGSTOPped (its peers wait in their all_reduce; it answers nothing);
    - hang outside: blocked opening a FIFO at step 50 (tests/e2e/hang_probe.py: a data loader on a dead mount);
    - straggler: stopped 3/4 of the time in 30 ms slices;
+   - preemption: worker 1's pod gets SIGTERM (a spot reclaim, an eviction); its replacement is started once it
+     ended, as the StatefulSet (ssh) or the Job (nossh) would;
    and the drill measures the time from the fault (for a hang: from the last step before it) to its detection
-   (the run failing, the watchdog's report, the straggler line) and to the first optimizer step of the retry
-   (in-pod retry: job.runRetries), the steps lost and the pods recreated (none: the cost does not grow with the
-   number of workers). Goals: a crash <= 15 s, a hang detected and resumed <= 150 s after its last step.
+   (the run failing, the watchdog's report, the straggler line, the ranks' agreed stop) and to the first
+   optimizer step of the retry (in-pod retry), the steps lost, the pods recreated, and the job's failure budget
+   used (files/attempts.py: a preemption spends none). Goals: a crash <= 15 s, a hang detected and resumed
+   <= 150 s after its last step, a preemption loses <= 1 step.
+3. Overhead of hang detection on a healthy run: tokens/s of 300 steps with hangDetection on and off in both
+   modes, and of bare `deepspeed --no_ssh` (no heartbeat at all), interleaved in the same run. Goal: within noise.
 
-    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 2] [--faults crash,collective,outside,straggler]
+    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 2] [--faults crash,...,preemption]
+        [--no-startup] [--no-overhead]
 """
 
 import argparse
@@ -90,9 +96,11 @@ def bare_startup(extensions: Path) -> float:
         return first - started
 
 
-FAULTS = ("crash", "collective", "outside", "straggler")
+FAULTS = ("crash", "collective", "outside", "straggler", "preemption")
 DETECTED = {"crash": re.compile(r"DeepSpeed exited with status [1-9]"), "collective": re.compile(r"hang on "),
-            "outside": re.compile(r"hang on "), "straggler": re.compile(r"straggler: rank 1 ")}
+            "outside": re.compile(r"hang on "), "straggler": re.compile(r"straggler: rank 1 "),
+            "preemption": re.compile(r"SIGTERM: stopped at step \d+")}
+BUDGET_USED = re.compile(r"attempt \d+ \((\d+) of \d+ failures used")
 
 
 def fault_trial(extensions: Path, mode: str, fault: str) -> dict:
@@ -126,6 +134,11 @@ def fault_trial(extensions: Path, mode: str, fault: str) -> dict:
         if fault == "outside":  # the probe blocks at the start of step 50: the fault begins after step 49
             wait_for_text(log_pod, re.compile(r"INFO step 49/"), 300)
             killed = time.monotonic()
+        elif fault == "preemption":
+            killed = time.monotonic()
+            cluster.signal_main(worker1.process, signal.SIGTERM)  # the kubelet's signal to the pod's PID 1
+            worker1.process.wait(timeout=120)
+            cluster.start(worker1, new_pod=True)  # its replacement, once it ended
         else:
             killed = time.monotonic()
             os.kill(victim, signal.SIGKILL if fault == "crash" else signal.SIGSTOP)
@@ -142,9 +155,38 @@ def fault_trial(extensions: Path, mode: str, fault: str) -> dict:
         log = log_pod.log()
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log).group(1))
         recreated = [pod.name for pod in cluster.pods if pod.attempt != attempts[pod.name]]
+        if fault == "preemption":  # the ranks trained on to the agreed stop, and saved that step
+            done = int(DETECTED[fault].search(log).group(0).split()[-1])
         return {"detected_s": detected - killed, "recovery_s": recovered - killed, "trained": done, "resumed": resumed,
-                "lost": done - resumed, "recreated": len(recreated),
+                "lost": done - resumed, "recreated": len(recreated), "budget": int(BUDGET_USED.findall(log)[-1]),
                 "ok": codes == [0] * len(codes) and max(step_losses(log)) == 200}
+
+
+TOKENS_S = re.compile(r"INFO step (\d+)/\d+ \| .*? \| ([\d,]+) tokens/s")
+
+
+def steady_tokens_s(log: str) -> float:
+    """Median tokens/s of the logged steps after the first 50 (start-up and warm-up left out)."""
+    return statistics.median(float(t.replace(",", "")) for step, t in TOKENS_S.findall(log) if int(step) > 50)
+
+
+def healthy_run(extensions: Path, mode: str, detection: bool | None) -> float:
+    """tokens/s of 300 steps: the chart in `mode` with hang detection on or off, or (None) bare deepspeed."""
+    v = values(extensions, "nossh" if detection is None else mode, steps=300, log_every=10, checkpoint_every=0)
+    v["hangDetection"] = {"enabled": bool(detection)}
+    with Cluster(render(v)) as cluster:
+        if detection is None:
+            workers = cluster.pods_of("worker")
+            processes = [cluster.start(w, [w.container["args"][0], f"--node_rank={i}", *w.container["args"][1:]],
+                                       log_name=f"{w.name}-bare") for i, w in enumerate(workers)]
+            for process in processes:
+                process.wait(timeout=300)
+            return steady_tokens_s((cluster.tmp / f"{workers[0].name}-bare.log").read_text(errors="replace"))
+        for pod in cluster.pods:
+            cluster.start(pod)
+        for pod in job_pods(cluster):
+            pod.process.wait(timeout=300)
+        return steady_tokens_s(rank0_pod(cluster).log())
 
 
 def main() -> int:
@@ -152,7 +194,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, of: " + ", ".join(FAULTS))
-    parser.add_argument("--no-startup", action="store_true", help="the fault drill only")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up table")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the hang detection overhead table")
     args = parser.parse_args()
     reason = namespaces_available()
     if reason:
@@ -172,10 +215,24 @@ def main() -> int:
         for name, runs in rows.items():
             print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
                   + " ".join(f"{x:.1f}" for x in runs))
+    if not args.no_overhead:
+        runs = {(mode, on): [] for mode in ("ssh", "nossh") for on in (True, False)} | {("bare", None): []}
+        for _ in range(args.repeats):  # interleaved, so drift hits every row alike
+            for mode, on in runs:
+                runs[(mode, on)].append(healthy_run(extensions, mode, on))
+        bare = statistics.median(runs[("bare", None)])
+        print("\nhang detection overhead: tokens/s of a healthy run (300 steps, median of steps 60-300; 2 hosts x 1 "
+              "CPU rank, ZeRO-2)")
+        print(f"{'':<44}{'median':>9}{'vs bare':>9}   runs")
+        for (mode, on), values_ in runs.items():
+            name = "bare deepspeed --no_ssh (no heartbeat)" if on is None else \
+                f"chart, {mode}, hang detection {'on' if on else 'off'}"
+            print(f"{name:<44}{statistics.median(values_):>9,.0f}{statistics.median(values_) / bare:>8.2f}x   "
+                  + " ".join(f"{x:,.0f}" for x in values_))
     print("\nfault drill: a rank of worker 1 at step ~50 of 200, checkpoint every 20, the chart's hang budgets "
           "(300 s to the first step, 120 s per step), runRetries 1")
     print(f"{'fault':<11}{'mode':<7}{'trial':>6}{'detected after s':>18}{'resumed after s':>17}{'trained':>9}"
-          f"{'resumed':>9}{'lost':>6}{'pods recreated':>16}{'finished':>10}")
+          f"{'resumed':>9}{'lost':>6}{'pods recreated':>16}{'budget used':>13}{'finished':>10}")
     show = lambda x: "-" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
     for fault in args.faults.split(","):
         for mode in ("ssh", "nossh"):
@@ -183,7 +240,7 @@ def main() -> int:
                 t = fault_trial(extensions, mode, fault)
                 print(f"{fault:<11}{mode:<7}{i + 1:>6}{show(t['detected_s']):>18}{show(t['recovery_s']):>17}"
                       f"{show(t['trained']):>9}{show(t['resumed']):>9}{show(t['lost']):>6}{t['recreated']:>16}"
-                      f"{str(t['ok']):>10}", flush=True)
+                      f"{show(t.get('budget')):>13}{str(t['ok']):>10}", flush=True)
     return 0
 
 

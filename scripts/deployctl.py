@@ -607,11 +607,12 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"global {batch[2]}",
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
-        f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, {r.effective['job']['runRetries']} run "
-        f"retries in the pods, then {r.effective['job']['backoffLimit']} new pods (backoffLimit); collective "
-        f"timeout {r.effective['deepspeed']['collectiveTimeoutMinutes']} min",
+        f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, a failure budget of "
+        f"{r.effective['job']['runRetries']} failed runs per job, retried in the pods (preemptions do not count); "
+        f"collective timeout {r.effective['deepspeed']['collectiveTimeoutMinutes']} min",
         "  hangs       " + (f"watchdog in the worker pods: {hang['startupSeconds']} s to a rank's first step, then "
-                             f"{hang['stepSeconds']} s (or 10x its step time) per step" if hang["enabled"]
+                             f"{hang['stepSeconds']} s (or 10x its step time) per step, {hang['checkpointSeconds']} s "
+                             "per save or restore" if hang["enabled"]
                              else "no watchdog (hangDetection.enabled: false): only the collective timeout"),
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),

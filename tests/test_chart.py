@@ -270,7 +270,8 @@ def test_the_launcher_job_is_per_revision_and_retries_safely():
     assert job["spec"]["podReplacementPolicy"] == "Failed"
     assert job["spec"]["podFailurePolicy"]["rules"] == [
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}}]
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2, 3]}},
+        {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [143]}}]
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 150  # worker grace + 30
     assert env_of(job)["DS_KILL_GRACE_SECONDS"] == "110"
 

@@ -18,8 +18,8 @@ def test_nossh_renders_no_ssh_no_launcher_no_token():
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Service", "ServiceAccount"]
     scripts = one(docs, "ConfigMap", "-scripts")
-    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "watchdog.py", "nossh-worker.sh",
-                                    "gang-barrier.py"}
+    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "watchdog.py", "attempts.py",
+                                    "nossh-worker.sh", "gang-barrier.py"}
     text = str([d for d in docs if d is not scripts])
     assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
     assert [p["port"] for p in one(docs, "Service")["spec"]["ports"]] == [29500]
@@ -82,7 +82,7 @@ def test_both_modes_retry_runs_in_the_pods_and_fail_the_job_on_a_configuration_e
     for docs, job in ((render_chart(), "-launcher-1"), (render_chart(NOSSH), "-worker-r1")):
         spec = one(docs, "Job", job)["spec"]
         assert spec["podFailurePolicy"]["rules"][1] == {"action": "FailJob",
-                                                         "onExitCodes": {"operator": "In", "values": [2]}}
+                                                         "onExitCodes": {"operator": "In", "values": [2, 3]}}
         assert env_of(one(docs, "Job", job))["DS_RUN_RETRIES"] == "2"
 
 

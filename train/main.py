@@ -182,6 +182,16 @@ def train_step(engine, inputs: Inputs, position: int) -> tuple[torch.Tensor, int
     return step_loss, position
 
 
+def attempt_summary() -> str:
+    """The job's attempt counter, as the chart's pod scripts give it to every rank (files/attempts.py: DS_ATTEMPT,
+    DS_FAILURES, DS_FAILURE_BUDGET, DS_PREEMPTIONS); nothing outside the chart."""
+    env = {k: os.environ.get(k, "") for k in ("DS_ATTEMPT", "DS_FAILURES", "DS_FAILURE_BUDGET", "DS_PREEMPTIONS")}
+    if not all(v.isdigit() for v in env.values()):
+        return ""
+    return (f" | attempt {env['DS_ATTEMPT']} ({env['DS_FAILURES']} of {env['DS_FAILURE_BUDGET']} failures used, "
+            f"{env['DS_PREEMPTIONS']} preemption{'' if env['DS_PREEMPTIONS'] == '1' else 's'})")
+
+
 def agree(step_loss: torch.Tensor, stop: StopFlag, compute_s: float, rank: int, world_size: int
           ) -> tuple[float, bool, list[float]]:
     """One small all-reduce per step: the mean loss over ranks, whether any rank got SIGTERM, and every rank's
@@ -264,7 +274,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         f"world size {world_size} | ZeRO stage {engine.zero_optimization_stage()} | {dtype} | batch {micro} micro x "
         f"{accum} accumulation x {inputs.layout.describe()} = {global_batch} | {parameters / 1e6:.2f}M "
         f"parameters ({model.describe()}) | {get_accelerator().device_name()} / {torch.distributed.get_backend()} | "
-        f"collective timeout {default_pg_timeout.total_seconds() / 60:.0f} min")
+        f"collective timeout {default_pg_timeout.total_seconds() / 60:.0f} min{attempt_summary()}")
     for stage, (layers, count) in enumerate(plan):
         logger.info(f"pipeline stage {stage}: {layers} | {count / 1e6:.2f}M parameters")
 

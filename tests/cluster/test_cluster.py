@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -19,6 +20,9 @@ import pytest
 
 from tests.helm_template import CHART, HELM
 from tests.train_run import cpu_ds_config
+
+sys.path.insert(0, str(CHART / "files"))
+import attempts  # noqa: E402 - the pod script that keeps the job's ledger (tests/test_attempts.py)
 
 KUBECONFIG, IMAGE = os.environ.get("KUBECONFIG", ""), os.environ.get("DS_IMAGE", "")
 SMALL_NODE = CHART / "ci" / "09-small-node-values.yaml"
@@ -180,32 +184,27 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
              "the launcher to scale the workers to 0")
 
 
-def test_a_killed_rank_fails_the_attempt_and_the_jobs_retry_resumes(namespace, shared_claim):
-    """runRetries 0: the launcher pod fails and the Job controller's next pod resumes."""
-    install(namespace, steps=150, train_config={"checkpoint_every": 10}, checkpoints={"existingClaim": shared_claim},
-            launcher={"scaleDownWorkers": False}, job={"runRetries": 0})
-    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000020", 300, "checkpoint 20",
-             lambda: diagnose(namespace))
+def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_the_pod(namespace, shared_claim):
+    """runRetries 0: the first failed run spends the job's budget; the launcher exits with attempts.py's status
+    and the chart's podFailurePolicy fails the Job at once (no new pod), saying why where `kubectl get/describe
+    pod` shows it (terminationMessagePolicy)."""
+    install(namespace, steps=100000, train_config={"checkpoint_every": 0}, launcher={"scaleDownWorkers": False},
+            checkpoints={"existingClaim": shared_claim}, job={"runRetries": 0})
+    wait_for(lambda: "INFO step 20/" in kubectl("logs", f"job/{LAUNCHER}", namespace=namespace, check=False), 300,
+             "training to reach step 20", lambda: diagnose(namespace))
     worker_exec(namespace, 1, "pkill", "-KILL", "-f", "--", "--local_rank=")
-    outcome = wait_for(lambda: job_outcome(namespace), 400, "the retried Job to finish", lambda: diagnose(namespace))
-    logs = launcher_logs(namespace)
-    assert outcome == "Complete", diagnose(namespace)
+    outcome = wait_for(lambda: job_outcome(namespace), 300, "the Job to fail", lambda: diagnose(namespace))
+    assert outcome == "Failed", diagnose(namespace)
     job = get("job", LAUNCHER, namespace)
-    # The attempts' own logs: on a second failure they say why the retry did not hold.
-    assert job["status"].get("failed") == 1 and job["status"].get("succeeded") == 1, attempts_summary(namespace)
-    resumed = [line for line in logs.splitlines() if "resumed from /checkpoints/step_" in line]
-    assert resumed and int(resumed[-1].split("step_")[1].split()[0]) >= 20, logs[-4000:]
-    # The failed pod says why where `kubectl get/describe pod` shows it (terminationMessagePolicy).
+    assert job["status"].get("failed") == 1 and not job["status"].get("succeeded"), attempts_summary(namespace)
+    reason = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")["reason"]
+    assert reason == "PodFailurePolicy", job["status"]["conditions"]
     pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
                               namespace=namespace))["items"]
-    messages = [c["state"]["terminated"].get("message", "") for p in pods if p["status"].get("phase") == "Failed"
-                for c in p["status"]["containerStatuses"]]
-    assert messages and "no retries left (job.runRetries=0)" in messages[0], messages
-    assert "INFO step 150/150" in logs
-    complete = worker_exec(namespace, 0, "python3", "-c", "from pathlib import Path; from train import checkpoint "
-                           "as c; d = Path('/checkpoints'); print(all(c.is_complete(t) for t in "
-                           "c.tags_newest_first(d)), c.tags_newest_first(d)[0].name)")
-    assert complete.strip().splitlines()[-1].split() == ["True", "step_00000150"]  # after DeepSpeed's warnings
+    terminated = [c["state"]["terminated"] for p in pods for c in p["status"]["containerStatuses"]]
+    assert [t["exitCode"] for t in terminated] == [attempts.BUDGET_SPENT], terminated
+    assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in terminated[0].get("message", "")
+    stop_endless_job(namespace)
 
 
 def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_resumes(namespace, shared_claim):
@@ -229,7 +228,7 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
     assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+worker-1: process stopped", logs), logs[-6000:]
     waits = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+worker-0: waits in a collective: (\w+)", logs)
     assert waits, logs[-6000:]
-    retry = logs[logs.rindex("retry 1 of 1"):]
+    retry = logs[logs.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
     resumed = re.search(r"resumed from /checkpoints/step_(\d+) ", retry)
     assert resumed and saved_before_stop <= int(resumed[1]) < steps, retry[-4000:]
     assert f"INFO step {steps}/{steps}" in retry, retry[-4000:]
@@ -252,6 +251,8 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
                                                                    check=False)) and log, 240,
                          "a new launcher attempt to resume", lambda: diagnose(namespace))
     assert f"resumed from /checkpoints/{saved} at step {int(saved.removeprefix('step_'))}" in retry_log
+    # A deletion is a stop, not a failure: the next pod's attempt spent nothing of the job's budget.
+    assert "attempt 2 (0 of 2 failures used, 1 preemption)" in retry_log, retry_log[-4000:]
     stop_endless_job(namespace)
 
 
@@ -290,7 +291,7 @@ def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_pla
     assert status.get("succeeded") == 2 and not status.get("failed")  # retried in place: no pod recreated
     logs = kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
                    "--timestamps", "--tail=-1", namespace=namespace)
-    assert "retry 1 of 2: meeting the other workers at the start barrier" in logs, logs[-4000:]
+    assert "starting the run, attempt 2 (1 of 2 failures used, 0 preemptions)" in logs, logs[-4000:]
     assert "resumed from /checkpoints/step_" in logs and "INFO step 120/120" in logs
 
 

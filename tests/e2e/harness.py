@@ -86,6 +86,7 @@ class Pod:
     mounts: dict[str, Path] = field(default_factory=dict)
     attempt: int = 0
     controller_env: dict[str, str] = field(default_factory=dict)  # what the Job controller adds
+    labels: dict[str, str] = field(default_factory=dict)  # the pod's, with those its controller adds
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
@@ -102,21 +103,25 @@ def pods_from_render(docs: list[dict]) -> list[Pod]:
         security = spec.get("securityContext", {})
         uid, gid = security.get("runAsUser", 0), security.get("runAsGroup", security.get("runAsUser", 0))
         base, namespace = doc["metadata"]["name"], doc["metadata"]["namespace"]
+        labels = dict(doc["spec"]["template"]["metadata"].get("labels", {}))
+        if doc["kind"] == "Job":  # the Job controller's label: one uid per Job, also on its replacement pods
+            labels["batch.kubernetes.io/controller-uid"] = str(uuid.uuid4())
         if doc["kind"] == "StatefulSet":
             for ordinal in range(doc["spec"]["replicas"]):
                 name = f"{base}-{ordinal}"
                 fqdn = f"{name}.{doc['spec']['serviceName']}.{namespace}.svc.cluster.local"
-                pods.append(Pod(name, "worker", name, spec["containers"][0], spec["volumes"], uid, gid, fqdn))
+                pods.append(Pod(name, "worker", name, spec["containers"][0], spec["volumes"], uid, gid, fqdn,
+                                labels=labels))
         elif doc["spec"].get("completionMode") == "Indexed":
             component = doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
             for index in range(doc["spec"]["completions"]):
                 name = f"{base}-{index}"
                 fqdn = f"{name}.{spec['subdomain']}.{namespace}.svc.cluster.local"
                 pods.append(Pod(name, component, name, spec["containers"][0], spec["volumes"], uid, gid, fqdn,
-                                controller_env={"JOB_COMPLETION_INDEX": str(index)}))
+                                controller_env={"JOB_COMPLETION_INDEX": str(index)}, labels=labels))
         else:
             name = f"{base}-{uuid.uuid4().hex[:5]}"
-            pods.append(Pod(name, "launcher", name, spec["containers"][0], spec["volumes"], uid, gid))
+            pods.append(Pod(name, "launcher", name, spec["containers"][0], spec["volumes"], uid, gid, labels=labels))
     return pods
 
 
@@ -196,13 +201,15 @@ def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> di
 
 
 def container_env(docs: list[dict], pod: Pod) -> dict[str, str]:
-    """The container's env as the kubelet resolves it: values, the namespace fieldRef, secretKeyRefs."""
+    """The container's env as the kubelet resolves it: values, the namespace and label fieldRefs, secretKeyRefs."""
     env = dict(pod.controller_env)
     for item in pod.container.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
         elif "fieldRef" in item.get("valueFrom", {}):
-            env[item["name"]] = {"metadata.namespace": "default"}[item["valueFrom"]["fieldRef"]["fieldPath"]]
+            path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", path)
+            env[item["name"]] = pod.labels.get(label[1], "") if label else {"metadata.namespace": "default"}[path]
         elif "secretKeyRef" in item.get("valueFrom", {}):
             ref = item["valueFrom"]["secretKeyRef"]
             secret = find_object(docs, "Secret", ref["name"])
@@ -354,8 +361,15 @@ class Cluster:
 
     def signal_main(self, process: subprocess.Popen, sig: int) -> None:
         """`sig` to the container's PID 1 (what the kubelet signals): the child of our `unshare --fork`."""
-        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
-        os.kill(int(children[0]), sig)
+        for stat in Path("/proc").glob("[0-9]*/stat"):  # (the `children` file can miss one: not atomic)
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == process.pid:
+                os.kill(int(stat.parent.name), sig)
+                return
+        raise RuntimeError(f"the pod of process {process.pid} has no PID 1 (it ended: {process.poll()})")
 
     def pids(self, pod: Pod) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", pod.netns], capture_output=True, text=True).stdout

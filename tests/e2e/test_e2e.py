@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -17,6 +18,9 @@ from tests.e2e.harness import (
     wait_for,
 )
 from train import checkpoint
+
+sys.path.insert(0, str(ROOT / "charts" / "deepspeed-training" / "files"))
+import attempts  # noqa: E402 - the pod script (tests/test_attempts.py)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 def test_the_rendered_chart_trains_across_hosts(shared_dir):
@@ -62,76 +66,84 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
         assert elapsed < 5 + 15
 
 
-def test_a_killed_rank_fails_the_job_within_the_timeout_and_a_retry_resumes(shared_dir):
-    """runRetries 0: the launcher pod fails, and the Job's next pod resumes."""
-    values = e2e_values(shared_dir, steps=120, log_every=10, checkpoint_every=20)
+def test_a_killed_rank_fails_the_run_within_the_timeout_and_a_spent_budget_fails_the_job(shared_dir):
+    """runRetries 0: the first failure spends the job's budget; the launcher ends with attempts.py's status, which
+    the chart's podFailurePolicy turns into a failed Job (no new pod)."""
+    values = e2e_values(shared_dir, steps=100000, log_every=10, checkpoint_every=0)
     values["job"]["runRetries"] = 0
-    docs = render(values)
-    with Cluster(docs) as cluster:
+    with Cluster(render(values)) as cluster:
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         first = cluster.start(launcher)
-        ckpt = cluster.checkpoint_dir()
-        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
+        wait_for(lambda: "INFO step 10/" in launcher.log(), 180, "training to start", launcher.log)
         victim = cluster.rank_pids(workers[1], ranks_only=True)
         assert victim, "no rank process on worker 1"
         killed_at = time.monotonic()
         os.kill(victim[0], signal.SIGKILL)
         code = wait(first, timeout=120)
         failed_after = time.monotonic() - killed_at
-        assert code != 0, launcher.log()[-3000:]
+        log = launcher.log()
+        assert code == attempts.BUDGET_SPENT, log[-3000:]
+        assert "attempts: attempt 1 (0 of 0 failures used, 0 preemptions)" in log
+        assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in log
         assert failed_after < 60 + 30, f"job took {failed_after:.0f}s to fail"  # the collective timeout + teardown
         for worker in workers:
             wait_for(lambda w=worker: not cluster.rank_pids(w), 30, f"no ranks left on {worker.name}")
-        done = max(step_losses(launcher.log()))
-        # The Job's backoff: a new launcher pod, same workers and PVC.
-        retry = cluster.start(launcher, log_name="launcher-retry", new_pod=True)
-        code = wait(retry, timeout=300)
-        log = launcher.log()
-        retry_log = log[log.rindex("wait-for-workers: waiting"):]
-        assert code == 0, retry_log[-4000:]
-        resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry_log).group(1))
-        assert resumed >= 40 and resumed % 20 == 0 and resumed <= done + 20
-        assert max(step_losses(retry_log)) == 120
-        assert checkpoint.is_complete(ckpt / "step_00000120")
-        assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
 
 
-def test_sigterm_to_the_launcher_stops_the_remote_ranks(shared_dir):
-    docs = render(e2e_values(shared_dir, steps=100000, log_every=10, checkpoint_every=0))
-    with Cluster(docs) as cluster:
-        workers = cluster.start_workers()
-        launcher = cluster.pods_of("launcher")[0]
-        process = cluster.start(launcher)
-        wait_for(lambda: "step 20/" in launcher.log(), 180, "training to start", launcher.log)
-        cluster.signal_main(process, signal.SIGTERM)  # the kubelet's signal to the container's PID 1 (eviction)
-        code = wait(process, timeout=120)
-        assert code != 0
-        assert "launcher: SIGTERM: stopping the DeepSpeed run" in launcher.log()
-        for worker in workers:
-            wait_for(lambda w=worker: not cluster.rank_pids(w), 45, f"no ranks left on {worker.name}",
-                     launcher.log)
-
-
-def test_the_launcher_restarts_a_failed_run_in_the_same_pod_from_the_checkpoint(shared_dir):
-    """runRetries: a killed rank fails the run; the same launcher pod clears the workers and runs again."""
-    values = e2e_values(shared_dir, steps=100, log_every=10, checkpoint_every=20)
-    values["job"]["runRetries"] = 1
+def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3_failures_used(shared_dir):
+    """The job's failure budget (runRetries 3), across pods. Crashes: the launcher pod lost with its node (every
+    process SIGKILLed: no outcome written; the next pod counts it, and clears the ranks that trained on), then a
+    killed rank, twice (retried in the launcher pod). Preemptions: SIGTERM to the launcher, twice (the ranks stop
+    and save at the next step, the Job's next pod resumes there). Attempt 6 runs, says so, and finishes."""
+    values = e2e_values(shared_dir, steps=300, log_every=5, checkpoint_every=10)
+    values["job"]["runRetries"] = 3
     with Cluster(render(values)) as cluster:
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         process = cluster.start(launcher)
-        ckpt = cluster.checkpoint_dir()
-        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
-        victim = cluster.rank_pids(workers[1], ranks_only=True)
-        os.kill(victim[0], signal.SIGKILL)
+        pod_logs, preempted_at = [], []
+
+        def trains(attempt: int) -> bool:
+            after = launcher.log().split(f"attempts: attempt {attempt} (")
+            return len(after) > 1 and "INFO step" in after[-1]
+
+        def next_pod(attempt: int, stopped_ranks: bool) -> int:
+            """The Job controller's next launcher pod, once this one ended: its exit status."""
+            nonlocal process
+            code = wait(process, timeout=120)
+            pod_logs.append(launcher.log())
+            for worker in workers if stopped_ranks else ():  # the launcher's stop reached the workers' ranks
+                wait_for(lambda w=worker: not cluster.rank_pids(w), 60, f"no ranks left on {worker.name}")
+            process = cluster.start(launcher, log_name=f"launcher-{attempt}", new_pod=True)
+            return code
+
+        for attempt, fault in enumerate(("lost", "crash", "preemption", "crash", "preemption"), start=1):
+            wait_for(lambda a=attempt: trains(a), 180, f"attempt {attempt} to train", lambda: launcher.log()[-3000:])
+            if fault == "crash":
+                os.kill(cluster.rank_pids(workers[1], ranks_only=True)[0], signal.SIGKILL)
+            elif fault == "preemption":
+                cluster.signal_main(process, signal.SIGTERM)  # the kubelet's signal to PID 1 (eviction, deletion)
+                assert next_pod(attempt + 1, stopped_ranks=True) == 143
+                stopped = re.findall(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", pod_logs[-1])
+                assert stopped and stopped[-1][0] == stopped[-1][1], pod_logs[-1][-3000:]  # it saved that step
+                preempted_at.append(int(stopped[-1][0]))
+            else:  # its node is gone: nothing of the pod runs on, not even its SIGTERM trap; the ranks do
+                cluster.kill(launcher)
+                assert next_pod(attempt + 1, stopped_ranks=False) != 0
         code = wait(process, timeout=300)
         log = launcher.log()
         assert code == 0, log[-4000:]
-        assert "launcher: retry 1 of 1: starting the run again" in log
-        assert log.count("wait-for-workers: all 2 workers are reachable") == 2
-        assert re.search(r"resumed from \S+step_000000[4-9]0 at step", log)
-        assert max(step_losses(log)) == 100
+        assert "attempts: attempt 6 (3 of 3 failures used, 2 preemptions)" in log
+        assert f"collective timeout {COLLECTIVE_TIMEOUT_MINUTES} min | attempt 6 (3 of 3 failures used, " \
+               "2 preemptions)" in log  # rank 0's start line
+        assert max(step_losses(log)) == 300
+        # A preemption lost no step: the next attempt resumed at the step the ranks stopped and saved at.
+        resumed = [int(r) for r in re.findall(r"resumed from \S+ at step (\d+)", "".join(pod_logs) + log)]
+        assert all(step in resumed for step in preempted_at), (preempted_at, resumed)
+        ledger = next((cluster.checkpoint_dir() / "attempts").iterdir())
+        assert [attempts.verdict(a) for a in attempts.numbered(ledger)] == [
+            "failure", "failure", "preemption", "failure", "preemption", "success"]
 
 
 def test_autotuning_tunes_through_the_chart_in_the_releases_own_directory(shared_dir):

@@ -74,7 +74,7 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
         assert any("File " in p.read_text() and "in all_reduce" in p.read_text() for p in diagnostics)
         # The retry resumed from a complete checkpoint and finished.
-        retry = log[log.rindex("retry 1 of 1"):]
+        retry = log[log.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
         assert resumed >= 40 and max(step_losses(retry)) == 300
         assert checkpoint.is_complete(ckpt / "step_00000300")
@@ -98,6 +98,7 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         run = re.search(r"hang on \S+ \((run-\S+)\)", log1).group(1)
         assert "read_the_stuck_mount" in (ckpt / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
         # The attempt was retried in the same pods, from the last complete checkpoint, to the end.
-        assert "retry 1 of 1" in log0 and "retry 1 of 1" in log1
+        assert "starting the run, attempt 2 (1 of 1 failures used, 0 preemptions)" in log0
+        assert "running (run-0002-" in log1
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log0).group(1))
         assert resumed == 40 and max(step_losses(log0)) == 80

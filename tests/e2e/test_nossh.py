@@ -6,14 +6,19 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.e2e.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, e2e_values, render
 from tests.e2e.harness import Claims, Cluster, step_losses, wait, wait_for
+from tests.helm_template import CHART
 from tests.train_run import cpu_ds_config
 from train import checkpoint
+
+sys.path.insert(0, str(CHART / "files"))
+import attempts  # noqa: E402 - the pod script (tests/test_attempts.py)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
@@ -54,40 +59,34 @@ def test_nossh_trains_across_hosts_without_ssh_and_every_pod_ends(shared_dir):
         assert not cluster.pids(worker0) and not cluster.pids(worker1)
 
 
-def test_nossh_a_killed_rank_fails_every_rank_and_the_pods_restart_together_from_the_checkpoint(shared_dir):
-    docs = render(nossh_values(shared_dir, retries=1, steps=120, log_every=10, checkpoint_every=20))
+def test_nossh_a_killed_rank_fails_every_rank_and_a_spent_budget_ends_every_worker(shared_dir):
+    """runRetries 0: the killed rank's run fails on every worker within the collective timeout; at the start
+    barrier worker 0 finds the job's budget spent and ends every worker with attempts.py's status (the chart's
+    podFailurePolicy fails the Job on it)."""
+    docs = render(nossh_values(shared_dir, retries=0, steps=100000, log_every=10, checkpoint_every=0))
     with Cluster(docs) as cluster:
         worker0, worker1 = cluster.pods_of("worker")
         processes = [cluster.start(w) for w in (worker0, worker1)]
-        ckpt = cluster.checkpoint_dir()
-        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", worker0.log)
+        wait_for(lambda: "INFO step 10/" in worker0.log(), 180, "training to start", worker0.log)
         victim = cluster.rank_pids(worker1, ranks_only=True)
         assert victim, "no rank on worker 1"
-        done = max(step_losses(worker0.log()))
         killed_at = time.monotonic()
         os.kill(victim[0], signal.SIGKILL)
-        # Both workers see their run fail (worker 0 through the collective, within the collective timeout, 1 minute)...
-        for worker in (worker0, worker1):
-            wait_for(lambda w=worker: "DeepSpeed exited with status" in w.log(), 60 + 30,
-                     f"{worker.name}'s run to fail", worker.log)
+        codes = [wait(p, timeout=60 + 60) for p in processes]
         failed_after = time.monotonic() - killed_at
-        # ...meet again at the barrier and resume, in the same pods.
-        codes = [wait(p, timeout=300) for p in processes]
-        log0 = worker0.log()
-        assert codes == [0, 0], log0[-4000:] + worker1.log()[-3000:]
-        assert "retry 1 of 1: meeting the other workers at the start barrier" in log0
-        assert log0.count("gang-barrier 0: all 2 workers are here") == 2
-        resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log0).group(1))
-        assert 40 <= resumed <= done + 20 and resumed % 20 == 0
-        assert max(step_losses(log0)) == 120
+        log0, log1 = worker0.log(), worker1.log()
+        assert codes == [attempts.BUDGET_SPENT] * 2, log0[-4000:] + log1[-3000:]
+        assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in log0
+        assert "worker 0 says the job's failure budget is spent" in log1
         assert failed_after < 60 + 30, f"the run took {failed_after:.0f}s to fail everywhere"
-        assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
 
 
-def test_nossh_a_lost_worker_is_replaced_and_joins_the_others_at_the_barrier(shared_dir):
+def test_nossh_a_lost_worker_is_replaced_and_a_preempted_one_too_and_only_the_loss_spends_the_budget(shared_dir):
     """A node dies (every process of worker 1 killed): the surviving worker's run fails and it waits at the
-    barrier; the Job controller's replacement pod joins it there and the job resumes."""
-    docs = render(nossh_values(shared_dir, retries=1, steps=100, log_every=10, checkpoint_every=20))
+    barrier; the Job controller's replacement pod joins it there and the job resumes: a failure. Then worker 1 is
+    preempted (SIGTERM): every rank stops and saves at the next step, worker 1's pod ends (143) and its
+    replacement joins again: a preemption, which does not spend the budget (runRetries 1)."""
+    docs = render(nossh_values(shared_dir, retries=1, steps=300, log_every=5, checkpoint_every=20))
     with Cluster(docs) as cluster:
         worker0, worker1 = cluster.pods_of("worker")
         first = cluster.start(worker0)
@@ -95,12 +94,26 @@ def test_nossh_a_lost_worker_is_replaced_and_joins_the_others_at_the_barrier(sha
         ckpt = cluster.checkpoint_dir()
         wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", worker0.log)
         cluster.kill(worker1)
-        wait_for(lambda: "retry 1 of 1" in worker0.log(), 60 + 30, "worker 0 to retry", worker0.log)
+        wait_for(lambda: "meeting the other workers at the start barrier" in worker0.log(), 60 + 30,
+                 "worker 0 to go back to the barrier", worker0.log)
         replacement = cluster.start(worker1, log_name="worker1-replacement", new_pod=True)
-        codes = [wait(first, timeout=300), wait(replacement, timeout=60)]
-        assert codes == [0, 0], worker0.log()[-4000:] + worker1.log()[-3000:]
-        assert re.search(r"resumed from \S+step_000000[4-9]0 at step", worker0.log())
-        assert max(step_losses(worker0.log())) == 100
+        attempt_2 = "starting the run, attempt 2 (1 of 1 failures used, 0 preemptions)"
+        wait_for(lambda: attempt_2 in (log := worker0.log()) and "INFO step" in log.split(attempt_2)[1], 180,
+                 "attempt 2 to train", worker0.log)
+        cluster.signal_main(replacement, signal.SIGTERM)  # the kubelet's signal to PID 1 (an eviction)
+        assert wait(replacement, timeout=60) == 143, worker1.log()[-3000:]
+        stopped = re.findall(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", worker0.log())
+        assert stopped and stopped[-1][0] == stopped[-1][1], worker0.log()[-3000:]  # rank 0 saved that step
+        second = cluster.start(worker1, log_name="worker1-replacement-2", new_pod=True)
+        codes = [wait(first, timeout=300), wait(second, timeout=60)]
+        log0 = worker0.log()
+        assert codes == [0, 0], log0[-4000:] + worker1.log()[-3000:]
+        assert "starting the run, attempt 3 (1 of 1 failures used, 1 preemption)" in log0
+        assert re.search(r"resumed from \S+step_000000[4-9]0 at step", log0)
+        step = int(stopped[-1][0])
+        assert re.search(rf"resumed from \S+/step_{step:08d} at step {step}\b", log0)  # the preemption lost no step
+        assert max(step_losses(log0)) == 300
+        assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
 
 
 def test_nossh_a_worker_with_another_rank_count_fails_loudly_and_is_not_retried(shared_dir):

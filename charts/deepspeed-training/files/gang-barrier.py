@@ -3,19 +3,26 @@ of different attempts (a rank of a new attempt would otherwise join the rendezvo
 the failed one). A worker reaches the barrier only when its own ranks are gone; worker 0 serves it only
 between runs, so when everyone has joined, every rank of the previous run is gone.
 
+Worker 0 also owns the job's ledger of attempts (attempts.py): when everyone is here it begins the next attempt,
+or, when the job's failure budget is spent, ends every worker.
+
 Usage: gang-barrier.py INDEX PORT TIMEOUT_SECONDS HOST...   (the hostfile's hosts, worker 0 first)
-Worker 0 listens on PORT; the others connect, send "JOIN <index>" and wait for "GO <run>": the attempt's name,
-which every worker writes to DS_RANK_STATE_DIR/run-id for its ranks (DS_RUN_ID: the hang watchdog's
-diagnostics/<run>). Exits 0 when all workers met, 1 at the deadline naming the workers still missing. Standard
-library only: it runs before every attempt.
+Worker 0 listens on PORT; the others connect, send "JOIN <index>" and wait for "GO KEY=VALUE...": the attempt's
+env (attempts.ENV_KEYS: its name DS_RUN_ID, for the hang watchdog's diagnostics/<run>, its number and budget
+used), which every worker writes to DS_RANK_STATE_DIR/attempt.env for its ranks; or for "END": the budget is
+spent. Exits 0 when all workers met, attempts.BUDGET_SPENT after END, 1 at the deadline naming the workers
+still missing. Standard library only: it runs before every attempt.
 """
 
 import os
+import re
 import select
 import socket
 import sys
 import time
 from pathlib import Path
+
+import attempts  # beside this script
 
 LOG_EVERY_S = 5
 RETRY_S = 0.25  # a refused connection costs nothing; the run starts as soon as worker 0 listens
@@ -25,11 +32,22 @@ def log(index: int, message: str) -> None:
     print(f"gang-barrier {index}: {message}", flush=True)
 
 
-def record_run(run: str) -> None:
+def record_attempt(env: dict[str, str]) -> None:
+    """DS_RANK_STATE_DIR/attempt.env: the attempt's KEY=VALUE lines, which nossh-worker.sh exports."""
     directory = os.environ.get("DS_RANK_STATE_DIR")
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        Path(directory, "run-id").write_text(run)
+        Path(directory, "attempt.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+
+
+def parse_go(words: list[str]) -> dict[str, str] | None:
+    """The env of a GO line: only attempts.ENV_KEYS, values without shell or whitespace characters."""
+    env = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    if words[:1] != ["GO"] or set(env) != set(attempts.ENV_KEYS):
+        return None
+    if not all(re.fullmatch(r"[A-Za-z0-9_./-]+", v) for v in env.values()):
+        return None
+    return env
 
 
 def listen(port: int) -> socket.socket:
@@ -51,14 +69,19 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
         while True:
             missing = sorted(set(waiting) - set(joined))
             if not missing:
-                run = time.strftime("run-%Y%m%dT%H%M%SZ", time.gmtime())
-                record_run(run)
+                env, line = attempts.begin()
+                if env is not None:
+                    record_attempt(env)
+                message = f"GO {' '.join(f'{k}={v}' for k, v in env.items())}\n" if env else "END\n"
                 for conn in joined.values():
                     try:
-                        conn.sendall(f"GO {run}\n".encode())
+                        conn.sendall(message.encode())
                     except OSError:
                         pass  # it left just now: the run's rendezvous will tell
-                log(0, f"all {len(hosts)} workers are here: starting the run")
+                if env is None:
+                    log(0, line)
+                    return attempts.BUDGET_SPENT
+                log(0, f"all {len(hosts)} workers are here: starting the run, {line}")
                 return 0
             now = time.monotonic()
             if now >= deadline:
@@ -112,12 +135,23 @@ def join(index: int, port: int, deadline: float, host0: str) -> int:
             with socket.create_connection((host0, port), timeout=2) as conn:
                 conn.sendall(f"JOIN {index}\n".encode())
                 conn.settimeout(max(1.0, deadline - time.monotonic()))
-                answer = conn.recv(64).decode(errors="replace").split()
-                if answer[:1] == ["GO"]:
-                    record_run(answer[1] if len(answer) == 2 and answer[1].isprintable() else "run")
+                answer = b""
+                while not answer.endswith(b"\n") and len(answer) < 4096:
+                    data = conn.recv(4096)
+                    if not data:
+                        break
+                    answer += data
+                words = answer.decode(errors="replace").split()
+                if words == ["END"]:
+                    log(index, "worker 0 says the job's failure budget is spent: failing the job")
+                    return attempts.BUDGET_SPENT
+                env = parse_go(words)
+                if env is not None:
+                    record_attempt(env)
                     log(index, "all workers are here: starting the run")
                     return 0
-                reason = "worker 0 closed the barrier before everyone arrived"
+                reason = ("worker 0 sent an answer this worker does not understand" if words else
+                          "worker 0 closed the barrier before everyone arrived")
         except OSError as err:
             reason = err.strerror or str(err)
         if time.monotonic() >= next_log:

@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
 # Launcher pod entrypoint (launchMode ssh). Usage: launcher.sh DEEPSPEED_COMMAND...
-# Waits for every worker (of the current template), clears ranks left by an earlier attempt, runs the DeepSpeed
-# command, and after a failure runs it again up to DS_RUN_RETRIES times (all ranks together, each run resuming
-# from the last complete checkpoint; retry_verdict in run-child.sh decides). Its exit status is the last run's
-# (143 after a stop); after a success it scales the workers to 0 when DS_SCALE_DOWN_WORKERS=true.
+# Every attempt is numbered in the job's ledger (attempts.py), which keeps the failure budget across pods. Waits
+# for every worker (of the current template), clears ranks left by an earlier attempt, runs the DeepSpeed
+# command, and after a failure runs it again while the budget lasts (all ranks together, each run resuming from
+# the last complete checkpoint; retry_verdict in run-child.sh and attempts.py decide). Its exit status is the
+# last run's (143 after a stop, attempts.py's when the budget is spent); after a success it scales the workers
+# to 0 when DS_SCALE_DOWN_WORKERS=true.
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "launcher: $*"; }
 # shellcheck source=run-child.sh
 source "$scripts_dir/run-child.sh"  # run_in_background, $child
 stopping=""
-# PID 1 ignores SIGTERM without a handler: set it first, also for the waits below. DeepSpeed's runner answers
-# SIGTERM by killing the ranks on every worker (pdsh pkill), then exits 1.
-trap 'stopping=1; log "SIGTERM: stopping the DeepSpeed run"; if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
+in_run=""  # set while the DeepSpeed run is the child
+# On SIGTERM: the stop is recorded in the attempt first (a preemption does not spend the failure budget). Then
+# the ranks on every worker get SIGTERM (kill-ranks.sh: they agree on a step, save it and exit) while the run's
+# own pdsh still relays their last lines; DeepSpeed's runner, signalled first, would cut pdsh off (it exits 1
+# at once) and the stop's step and checkpoint would go unseen. PID 1 ignores SIGTERM without a handler: set it
+# first, also for the waits below.
+# shellcheck disable=SC2317 # invoked by the trap below
+stop() {
+  stopping=1
+  log "SIGTERM: stopping the DeepSpeed run"
+  python3 "$scripts_dir/attempts.py" stopped || true
+  [[ -n "$child" ]] || exit 143
+  if [[ -n "$in_run" ]]; then
+    pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
+  fi
+  kill -TERM "$child" 2> /dev/null || true
+}
+trap stop TERM INT
 
 # shellcheck source=ssh-setup.sh
 source "$scripts_dir/ssh-setup.sh"
@@ -24,23 +41,28 @@ export PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="-F $HOME/.ssh/config"
 kill_ranks=(env "DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" "DS_RANK_STATE_DIR=$DS_RANK_STATE_DIR" bash "$scripts_dir/kill-ranks.sh")
 hosts=$(bash "$scripts_dir/hosts.sh" "$hostfile" | paste -sd, -)
 
-retries="${DS_RUN_RETRIES:-0}"
-for ((attempt = 0; ; attempt++)); do
+while true; do
+  begin_attempt  # run-child.sh: exports DS_RUN_ID, DS_ATTEMPT_DIR, ... or exits when the budget is spent
   run_in_background bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "$DS_WAIT_TIMEOUT_SECONDS"
   [[ -n "$stopping" ]] && exit 143
-  ((rc == 0)) || exit "$rc"
+  if ((rc != 0)); then
+    python3 "$scripts_dir/attempts.py" end "$rc"
+    exit "$rc"
+  fi
   log "clearing ranks left by an earlier attempt"
   pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
 
-  # The attempt's name, for every rank (DS_RUN_ID): a hang's diagnostics go to diagnostics/<run>.
-  run_id="run-$(date -u +%Y%m%dT%H%M%SZ)"
-  { cat "$DS_CONFIG_DIR/deepspeed_env"; echo "DS_RUN_ID=$run_id"; } > "$HOME/.deepspeed_env"
-  log "running ($run_id): $*"
+  # The attempt, for every rank: its name (DS_RUN_ID: a hang's diagnostics go to diagnostics/<run>), its number
+  # and the budget used (the train package's start line), its ledger entry (a worker's SIGTERM marks it).
+  { cat "$DS_CONFIG_DIR/deepspeed_env"; printf '%s\n' "$attempt_env"; } > "$HOME/.deepspeed_env"
+  log "running ($DS_RUN_ID): $*"
+  in_run=1
   run_in_background "$@"
+  in_run=""
   log "DeepSpeed exited with status $rc"
   if ((rc != 0)) && [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
     # What the workers' watchdogs found, if this run ended in a hang (nothing otherwise).
-    pdsh -S -w "$hosts" cat "$DS_RANK_STATE_DIR/hang-$run_id.txt" 2> /dev/null || true
+    pdsh -S -w "$hosts" cat "$DS_RANK_STATE_DIR/hang-$DS_RUN_ID.txt" 2> /dev/null || true
   fi
   # DeepSpeed's tuner exits 0 also when every experiment failed: only its optimal config means it finished.
   if ((rc == 0)) && [[ -n "${DS_AUTOTUNING_RESULTS:-}" ]]; then
@@ -51,14 +73,15 @@ for ((attempt = 0; ; attempt++)); do
       rc=1
     fi
   fi
+  python3 "$scripts_dir/attempts.py" end "$rc"
   if ((rc == 0)); then
     break
   fi
   log "clearing ranks still running on the workers"
   pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
-  retry_verdict "$attempt"
+  retry_verdict
   [[ "$verdict" == retry ]] || exit "$verdict"
-  log "retry $((attempt + 1)) of $retries: starting the run again, from the last complete checkpoint"
+  log "starting the run again, from the last complete checkpoint, if the job's failure budget allows"
 done
 if [[ "${DS_SCALE_DOWN_WORKERS:-false}" == true ]]; then
   python3 "$scripts_dir/scale-workers.py" || log "WARNING: could not scale the workers down; delete them with helm uninstall"

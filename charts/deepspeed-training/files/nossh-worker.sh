@@ -4,9 +4,10 @@
 # Every run starts with the start barrier on worker 0 (gang-barrier.py): all workers between two runs, none
 # with ranks of an earlier run still alive. Then DeepSpeed's launcher starts this node's ranks. The hang
 # watchdog (watchdog.py) runs beside them when DS_HANG_STEP_SECONDS is set, and ends a hung attempt. A failed run is
-# started again, together with the other workers, up to DS_RUN_RETRIES times; then the pod fails (the Job's
-# backoffLimit replaces it, and the new pod joins the others at the barrier). The pod's exit status is the
-# last run's: success only when the program finished.
+# started again, together with the other workers, while the job's failure budget lasts: worker 0 numbers every
+# attempt in the job's ledger at the barrier and records its outcome (attempts.py); a SIGTERM marks it a
+# preemption, which does not count. The pod's exit status is the last run's: success only when the program
+# finished (143 after a stop, attempts.py's when the budget is spent).
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 node_rank="${JOB_COMPLETION_INDEX:?set by the Job controller (completionMode: Indexed)}"
@@ -16,27 +17,30 @@ source "$scripts_dir/run-child.sh"  # run_in_background, $child
 stopping=""
 # PID 1 ignores SIGTERM without a handler. The ranks get SIGTERM (they save a checkpoint together) and, if
 # they do not stop within the grace period, SIGKILL.
-trap 'stopping=1; log "SIGTERM: stopping local ranks"; bash "$scripts_dir/kill-ranks.sh" || true
+trap 'stopping=1; log "SIGTERM: stopping local ranks"; python3 "$scripts_dir/attempts.py" stopped || true
+      bash "$scripts_dir/kill-ranks.sh" || true
       if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
 
 if [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
   python3 "$scripts_dir/watchdog.py" &  # it exits with this script
 fi
 mapfile -t hosts < <(bash "$scripts_dir/hosts.sh" "$DS_CONFIG_DIR/hostfile")
-retries="${DS_RUN_RETRIES:-0}"
-for ((attempt = 0; ; attempt++)); do
+while true; do
   run_in_background python3 "$scripts_dir/gang-barrier.py" "$node_rank" "$DS_BARRIER_PORT" \
     "$DS_WAIT_TIMEOUT_SECONDS" "${hosts[@]}"
   [[ -n "$stopping" ]] && exit 143
   ((rc == 0)) || exit "$rc"
-  # The attempt's name, the same on every worker (worker 0 hands it out at the barrier): diagnostics/<run>.
-  DS_RUN_ID="$(cat "$DS_RANK_STATE_DIR/run-id" 2> /dev/null || echo run)"
-  export DS_RUN_ID
+  # The attempt's env, the same on every worker (worker 0 hands it out at the barrier): DS_RUN_ID, ...
+  attempt_env="$(cat "$DS_RANK_STATE_DIR/attempt.env")"
+  export_attempt_env  # run-child.sh
   log "running ($DS_RUN_ID): $1 --node_rank=$node_rank ${*:2}"
   run_in_background "$1" "--node_rank=$node_rank" "${@:2}"
   log "DeepSpeed exited with status $rc"
+  if ((node_rank == 0)); then
+    python3 "$scripts_dir/attempts.py" end "$rc"
+  fi
   ((rc == 0)) && exit 0
-  retry_verdict "$attempt"
+  retry_verdict
   [[ "$verdict" == retry ]] || exit "$verdict"
-  log "retry $((attempt + 1)) of $retries: meeting the other workers at the start barrier"
+  log "meeting the other workers at the start barrier: the run starts again if the job's failure budget allows"
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sourced by launcher.sh and nossh-worker.sh, whose SIGTERM traps read and signal `$child` (and set `stopping`),
-# and which define `log`.
+# and which define `log` and `scripts_dir`.
 # run_in_background CMD...: runs CMD so that a trapped SIGTERM is handled meanwhile; sets rc to its status.
 # shellcheck disable=SC2034 # child and rc are read by the sourcing script
 child=""
@@ -17,20 +17,36 @@ run_in_background() {
   child=""
 }
 
-# retry_verdict ATTEMPT: after a failed run (status $rc), sets `verdict` to "retry" or to the pod's exit status,
-# saying why. One rule for both launch modes: a stop (SIGTERM) and a configuration error (exit 2) are never
-# retried; other failures up to DS_RUN_RETRIES times, each run resuming from the last complete checkpoint.
+# retry_verdict: after a failed run (status $rc), sets `verdict` to "retry" or to the pod's exit status, saying
+# why. One rule for both launch modes: a stop (SIGTERM) and a configuration error (exit 2) are never retried;
+# other failures are, while the job's failure budget lasts: attempts.py decides when the next attempt begins,
+# counting the failures of every pod of the job.
 # shellcheck disable=SC2034 # verdict is read by the sourcing script
 retry_verdict() {
-  local retries="${DS_RUN_RETRIES:-0}"
   verdict=retry
   if [[ -n "${stopping:-}" ]]; then
     verdict=143
   elif ((rc == 2)); then
     log "status 2 is a configuration error (bad arguments or input files): not retried"
     verdict=2
-  elif (($1 >= retries)); then
-    log "no retries left (job.runRetries=$retries); failing the pod"
-    verdict=$rc
   fi
+}
+
+# begin_attempt: numbers the next attempt in the job's ledger (attempts.py) and exports its env (DS_RUN_ID,
+# DS_ATTEMPT_DIR, ...) into `attempt_env` and this shell; exits the pod with attempts.py's status when the
+# job's failure budget is spent (the chart's podFailurePolicy then fails the Job).
+# shellcheck disable=SC2034,SC2154 # attempt_env is read, scripts_dir set, by the sourcing script
+begin_attempt() {
+  local status=0
+  attempt_env="$(python3 "$scripts_dir/attempts.py" begin)" || status=$?
+  ((status == 0)) || exit "$status"
+  export_attempt_env
+}
+
+# export_attempt_env: exports the KEY=VALUE lines of `attempt_env` (attempts.py's, never a shell's to evaluate).
+export_attempt_env() {
+  local key value
+  while IFS='=' read -r key value; do
+    [[ "$key" =~ ^DS_[A-Z_]+$ ]] && export "$key=$value"
+  done <<< "$attempt_env"
 }

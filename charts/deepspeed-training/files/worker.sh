@@ -26,6 +26,8 @@ done < <(env -0)
 
 stop() {
   echo "worker: SIGTERM: stopping local ranks"
+  # First: the attempt its ranks run is marked a preemption, which does not spend the job's failure budget.
+  python3 "$scripts_dir/attempts.py" stopped || true
   bash "$scripts_dir/kill-ranks.sh" || true
   kill -TERM "$sshd_pid" 2>/dev/null || true
 }

@@ -303,6 +303,8 @@ and the pod need to stop. */}}
 {{- end }}
 - name: DS_RANK_STATE_DIR
   value: {{ include "deepspeed-training.rankStateDir" . | quote }}
+- name: DS_ATTEMPTS_DIR
+  value: {{ include "deepspeed-training.attemptsDir" . | quote }}
 {{- with .Values.hangDetection }}
 {{- if .enabled }}
 # files/watchdog.py, in every worker pod: it judges the heartbeats in DS_RANK_STATE_DIR.
@@ -344,6 +346,11 @@ and the pod need to stop. */}}
   value: {{ .Values.job.waitTimeoutSeconds | int | quote }}
 - name: DS_RUN_RETRIES
   value: {{ .Values.job.runRetries | int | quote }}
+# files/attempts.py keys the job's ledger of attempts by the Job's uid: a reinstall gets a fresh failure budget.
+- name: DS_JOB_UID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.labels['batch.kubernetes.io/controller-uid']
 - name: PYTHONUNBUFFERED
   value: "1"
 {{- end }}
@@ -354,6 +361,19 @@ not finished a step since it started has nothing to save, one that does not ackn
 collective; files/watchdog.py judges the heartbeats). Inside the pod's /tmp emptyDir.
 */}}
 {{- define "deepspeed-training.rankStateDir" -}}/tmp/deepspeed-ranks{{- end }}
+
+{{/*
+The job's ledger of attempts and failure budget (files/attempts.py): in the release's checkpoint directory
+wherever the attempt's owner has it (ssh: the launcher, which mounts a shared claim; nossh: worker 0), so a new
+pod continues the count; else in the pod's /tmp, where each pod starts its own count.
+*/}}
+{{- define "deepspeed-training.attemptsDir" -}}
+{{- if or (eq .Values.launchMode "nossh") .Values.checkpoints.existingClaim }}
+{{- printf "%s/attempts" (clean .Values.checkpoints.mountPath) }}
+{{- else }}
+{{- printf "%s/attempts" (include "deepspeed-training.rankStateDir" .) }}
+{{- end }}
+{{- end }}
 
 {{/*
 The ds_config the pods get, as JSON: deepspeed.config (or files/ds_config.default.json) as given, and with
@@ -385,7 +405,13 @@ namespaces, so the namespace is part of it). The kubelet creates the directory (
 {{/* Where another release's directory is mounted read-only when checkpoints.resumeFrom names it. */}}
 {{- define "deepspeed-training.resumeFromDir" -}}/etc/deepspeed/resume-from{{- end }}
 
-{{/* The checkpoint volumes of a pod (workers; the launcher when it runs the autotuner). A per-worker PVC
+{{/* Whether the launcher mounts the release's checkpoint directory: for the job's ledger of attempts on a
+shared claim (attemptsDir), and for the autotuner's experiments. */}}
+{{- define "deepspeed-training.launcherMountsCheckpoints" -}}
+{{- if or .Values.launcher.autotuning .Values.checkpoints.existingClaim }}true{{ end }}
+{{- end }}
+
+{{/* The checkpoint volumes of a pod (workers; the launcher, see launcherMountsCheckpoints). A per-worker PVC
 (checkpoints.volumeClaimSpec) comes from the StatefulSet's volumeClaimTemplates instead. */}}
 {{- define "deepspeed-training.checkpointVolumes" -}}
 {{- if .Values.checkpoints.existingClaim }}
@@ -489,10 +515,17 @@ podFailurePolicy:
         - type: DisruptionTarget
           status: "True"
     # Exit status 2 is a configuration error (bad arguments or input files): a retry would fail the same way.
+    # 3: the job's failure budget is spent (files/attempts.py counts it across pods).
     - action: FailJob
       onExitCodes:
         operator: In
-        values: [2]
+        values: [2, 3]
+    # 143: the pod stopped on SIGTERM (a deletion, an upgrade, a preemption without a DisruptionTarget): the
+    # pod scripts marked its attempt a preemption, and neither budget is spent.
+    - action: Ignore
+      onExitCodes:
+        operator: In
+        values: [143]
 {{- with .Values.job.activeDeadlineSeconds }}
 activeDeadlineSeconds: {{ . | int }}
 {{- end }}

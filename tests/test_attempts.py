@@ -1,0 +1,110 @@
+"""The job's ledger of attempts and its failure budget (charts/deepspeed-training/files/attempts.py), run as the
+pod scripts run it, and the chart's side of its contract. The e2e tier drives it through real pods
+(tests/e2e/test_e2e.py: three crashes and two preemptions on one job)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helm_template import HELM, ROOT, container, env_of, one, render_chart
+
+ATTEMPTS = ROOT / "charts" / "deepspeed-training" / "files" / "attempts.py"
+sys.path.insert(0, str(ATTEMPTS.parent))
+import attempts  # noqa: E402 - the pod script itself, imported as gang-barrier.py imports it
+
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
+
+
+def run(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {"PATH": os.environ["PATH"], "DS_ATTEMPTS_DIR": str(tmp_path / "attempts"), "DS_JOB_UID": "job-1",
+            "DS_RUN_RETRIES": "3"}
+    return subprocess.run([sys.executable, str(ATTEMPTS), *args], env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=30)
+
+
+def begin(tmp_path: Path) -> dict[str, str]:
+    result = run(tmp_path, "begin")
+    assert result.returncode == 0, result.stderr
+    return dict(line.split("=", 1) for line in result.stdout.splitlines())
+
+
+def test_preemptions_do_not_spend_the_budget_and_a_spent_budget_ends_the_job(tmp_path):
+    # Three crashes and two preemptions: the sixth attempt runs with 3 of 3 failures used.
+    for fault in ("crash", "crash", "preemption", "lost", "preemption"):
+        env = begin(tmp_path)
+        if fault == "preemption":  # a pod script's SIGTERM trap marks it, then the run ends (143)
+            assert run(tmp_path, "stopped", env=env).returncode == 0
+            run(tmp_path, "end", "143", env=env)
+        elif fault == "crash":
+            run(tmp_path, "end", "1", env=env)
+        # "lost": the owner died with its pod and wrote no outcome
+    sixth = run(tmp_path, "begin")
+    assert sixth.returncode == 0
+    assert "attempt 6 (3 of 3 failures used, 2 preemptions)" in sixth.stderr
+    env = dict(line.split("=", 1) for line in sixth.stdout.splitlines())
+    assert (env["DS_ATTEMPT"], env["DS_FAILURES"], env["DS_FAILURE_BUDGET"], env["DS_PREEMPTIONS"]) == \
+        ("6", "3", "3", "2")
+    assert env["DS_RUN_ID"] == "run-0006-job-1" and env["DS_ATTEMPT_DIR"].endswith("attempts/job-1/0006")
+    run(tmp_path, "end", "1", env=env)  # a fourth failure: over the budget
+    spent = run(tmp_path, "begin")
+    assert spent.returncode == attempts.BUDGET_SPENT and spent.stdout == ""
+    assert "failure budget spent: 4 failed attempts, job.runRetries=3 allows 3" in spent.stderr
+    # Another Job of the release (a reinstall) has its own budget.
+    assert run(tmp_path, "begin", env={"DS_JOB_UID": "job-2"}).returncode == 0
+
+
+def test_a_stop_after_the_outcome_and_a_success_spend_nothing(tmp_path):
+    env = begin(tmp_path)
+    run(tmp_path, "end", "0", env=env)
+    assert run(tmp_path, "stopped", env=env).stdout == ""  # the run had ended: no preemption recorded
+    assert attempts.tally(tmp_path / "attempts" / "job-1") == (1, 0, 0)
+
+
+def test_an_ssh_worker_marks_the_attempt_its_ranks_run_and_nothing_outside_the_ledger(tmp_path):
+    """The worker starts no attempt: its SIGTERM trap finds the attempt in its ranks' environment."""
+    env = begin(tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={"DS_ATTEMPT_DIR": path}) for path in (env["DS_ATTEMPT_DIR"], str(outside))]
+    try:
+        result = run(tmp_path, "stopped")
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert result.returncode == 0 and "stopped by SIGTERM" in result.stdout
+    assert [p.name.startswith("stopped-") for p in Path(env["DS_ATTEMPT_DIR"]).iterdir()] == [True]
+    assert list(outside.iterdir()) == []
+    assert attempts.verdict(Path(env["DS_ATTEMPT_DIR"])) == "preemption"
+
+
+def test_hostile_job_uids_and_hostnames_stay_one_path_component(tmp_path):
+    result = run(tmp_path, "begin", env={"DS_JOB_UID": "../../x; rm -rf /"})
+    values = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert Path(values["DS_ATTEMPT_DIR"]).parent.parent == tmp_path / "attempts"
+    assert all(c.isalnum() or c in "_.-/" for v in values.values() for c in v)
+
+
+@needs_helm
+def test_the_charts_pod_failure_policy_and_ledger_place_match_attempts_py():
+    """The exit status attempts.py ends a spent budget with fails the Job; a SIGTERM stop (143) spends nothing.
+    The launcher mounts a shared claim for the ledger; the ledger is where both modes' owners write it."""
+    for values, ledger in (({"checkpoints": {"existingClaim": "ckpt"}}, "/checkpoints/attempts"),
+                           ({}, "/tmp/deepspeed-ranks/attempts"),
+                           ({"launchMode": "nossh"}, "/checkpoints/attempts")):
+        docs = render_chart(values)
+        job = next(d for d in docs if d["kind"] == "Job")
+        rules = job["spec"]["podFailurePolicy"]["rules"]
+        fail = [r for r in rules if r["action"] == "FailJob"][0]["onExitCodes"]["values"]
+        ignore = [r for r in rules if r["action"] == "Ignore" and "onExitCodes" in r][0]["onExitCodes"]["values"]
+        assert attempts.BUDGET_SPENT in fail and 143 in ignore
+        owner = container(job)
+        env = env_of(job)
+        assert env["DS_ATTEMPTS_DIR"] == ledger and "DS_JOB_UID" in [e["name"] for e in owner["env"]]
+        mounts = [m["mountPath"] for m in owner.get("volumeMounts", [])]
+        assert (ledger.startswith("/checkpoints")) == ("/checkpoints" in mounts), (values, mounts)
+        assert "attempts.py" in one(docs, "ConfigMap", "-scripts")["data"]
