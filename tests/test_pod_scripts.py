@@ -138,8 +138,9 @@ def test_kill_ranks_does_not_hold_the_pod_for_ranks_that_cannot_save(docs):
                   f"export DS_KILL_GRACE_SECONDS=60 PYTHONPATH={ROOT}; "
                   # $(echo launch): this shell's own command line must not look like a launcher
                   "python3 /tmp/fake_launch.py deepspeed.launcher.$(echo launch) > /tmp/launch.log 2>&1 & "
-                  "for i in $(seq 100); do [[ $(ls $DS_RANK_STATE_DIR 2> /dev/null | wc -l) == 3 ]] && break; "
-                  "sleep 0.2; done; "
+                  # the three state files (not their .stacks beside them); the loop ran out its 20 s before
+                  "for i in $(seq 100); do [[ $(ls $DS_RANK_STATE_DIR 2> /dev/null | grep -c '^[0-9]*$') == 3 ]] "
+                  "&& break; sleep 0.2; done; "
                   f"start=$SECONDS; bash {SCRIPTS}/kill-ranks.sh; echo \"took $((SECONDS - start))s\"; wait; "
                   "cat /tmp/launch.log")
         started = time.monotonic()
