@@ -1,11 +1,15 @@
 """Runs the train package for real on CPU ranks (gloo): N rank processes with the env DeepSpeed's launcher sets."""
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +52,101 @@ def write_ds_config(tmp: Path, config: dict, name: str = "ds_config.json") -> Pa
     return path
 
 
+class ForkedRank:
+    """A rank forked by the zygote (tests/rank_zygote.py): Popen's pid, poll() and wait()."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.conn, self.pid, self.returncode = conn, pid, None
+        self._buffer = b""
+
+    def poll(self) -> int | None:
+        return self.wait(timeout=0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.returncode is None:
+            self.conn.settimeout(timeout)
+            try:
+                while b"\n" not in self._buffer:
+                    data = self.conn.recv(4096)
+                    if not data:
+                        raise RuntimeError(f"the rank zygote went away before rank {self.pid} ended")
+                    self._buffer += data
+            except (TimeoutError, BlockingIOError):
+                if timeout == 0:
+                    return None
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout) from None
+            self.returncode = json.loads(self._buffer.split(b"\n")[0])["status"]
+            self.conn.close()
+        return self.returncode
+
+
+class Zygote:
+    """The zygote of this test session, started at its first use; None when it cannot start (then every rank is
+    a fresh process)."""
+
+    _instance: "Zygote | None" = None
+    _failed = False
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="ds-zygote-")
+        self.path = os.path.join(self.dir, "socket")
+        self.env = train_env()
+        self.process = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_zygote.py"), self.path],
+                                        cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the rank zygote did not start")
+            time.sleep(0.05)
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> "Zygote | None":
+        if cls._instance is None and not cls._failed:
+            try:
+                cls._instance = cls()
+            except (OSError, RuntimeError) as err:
+                cls._failed = True
+                print(f"train_run: no rank zygote ({err}); every rank is a fresh process", file=sys.stderr)
+        return cls._instance
+
+    def serves(self, env: dict) -> bool:
+        from tests.rank_zygote import IMPORT_TIME_ENV
+
+        return self.process.poll() is None and all(env.get(k) == self.env.get(k) for k in IMPORT_TIME_ENV)
+
+    def fork(self, args: list[str], env: dict, out_fd: int, pgid: int) -> ForkedRank:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        request = {"argv": list(args), "env": env, "cwd": str(ROOT), "pgid": pgid}
+        socket.send_fds(conn, [json.dumps(request).encode()], [out_fd])
+        answer = b""
+        while b"\n" not in answer:
+            data = conn.recv(4096)
+            if not data:
+                raise RuntimeError("the rank zygote closed the connection")
+            answer += data
+        first, _, rest = answer.partition(b"\n")
+        rank = ForkedRank(conn, json.loads(first)["pid"])
+        rank._buffer = rest
+        return rank
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_rank(args: list[str], env: dict, out_fd: int, group: int):
+    """One rank process running `python -m train ARGS`: forked by the zygote when it can serve this env, else a
+    fresh interpreter. Its output goes to out_fd; it joins process group `group` (0: its own)."""
+    zygote = Zygote.get()
+    if zygote is not None and zygote.serves(env):
+        return zygote.fork(args, env, out_fd, group)
+    return subprocess.Popen([sys.executable, "-u", "-m", "train", *args], cwd=ROOT, env=env, stdout=out_fd,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=group)
+
+
 class Ranks:
     """`ranks` processes of `python -m train` in one process group, their output merged into one pipe, with the
     env DeepSpeed's launcher gives each rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*): the ranks a `deepspeed
@@ -59,13 +158,11 @@ class Ranks:
         read, write = os.pipe()
         env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
                "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
-        self.processes: list[subprocess.Popen] = []
+        self.processes = []
         for rank in range(ranks):
             group = self.processes[0].pid if self.processes else 0
-            self.processes.append(subprocess.Popen(
-                [sys.executable, "-u", "-m", "train", f"--local_rank={rank}", *args], cwd=ROOT,
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=write, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, process_group=group))
+            self.processes.append(start_rank([f"--local_rank={rank}", *args],
+                                             {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, write, group))
         os.close(write)
         self.pid = self.processes[0].pid
         self.args = args
@@ -107,8 +204,19 @@ def run_single(args: list[str], timeout: float = 120, **env_extra: str) -> subpr
     env = train_env()
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                **env_extra)
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    process = Ranks.__new__(Ranks)  # one rank, this env exactly
+    read, write = os.pipe()
+    process.processes = [start_rank(list(args), env, write, 0)]
+    os.close(write)
+    process.pid, process.args, process.returncode = process.processes[0].pid, args, None
+    process.stdout, process._reader, process._rest = os.fdopen(read, "r", errors="replace"), None, []
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, "")
 
 
 def metrics(ckpt_dir: Path) -> dict:
