@@ -153,7 +153,7 @@ def test_the_watchdog_reads_the_contract_the_ranks_write():
 
     from train import rankstate
     watchdog = runpy.run_path(str(ROOT / "charts" / "deepspeed-training" / "files" / "watchdog.py"))
-    for name in ("STATES", "CHECKPOINT_STATES", "STEP_MULTIPLE", "DUMP_SIGNAL"):
+    for name in ("STATES", "CHECKPOINT_STATES", "STEP_MULTIPLE", "DUMP_SIGNAL", "FR_REQUEST", "FR_DUMP"):
         assert watchdog[name] == getattr(rankstate, name), name
 
 

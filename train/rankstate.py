@@ -11,19 +11,23 @@ and its mtime is the heartbeat. Two readers in the pod (charts/deepspeed-trainin
   with no new step for longer than the step budget (or STEP_MULTIPLE x its step time, whichever is larger), or
   in one of CHECKPOINT_STATES for longer than the checkpoint budget is hung. Time in a checkpoint state does not
   count against the step budget, and `stopping` is never judged (the pod's grace period bounds it). Before it
-  kills, the watchdog sends
+  kills, the watchdog asks for the rank's flight recorder (the last collectives torch recorded, when the chart
+  set TORCH_FR_BUFFER_SIZE: gloo and NCCL alike): it writes to the FIFO <pid>FR_REQUEST, which a thread of the
+  rank waits on (blocked in the kernel, no cost), and the thread writes torch's dump to <pid>FR_DUMP. It works
+  while the main thread is blocked in a collective, which releases the GIL. Then the watchdog sends
   DUMP_SIGNAL: faulthandler, registered here, writes every thread's stack to <pid>.stacks from inside the
   process (no ptrace; it also works while the rank is blocked in C++), and the report names the frame.
 
 The contract for any program (the train package, the Hugging Face callback in train/hf_callback.py, or a
 bring-your-own loop): call `beat(step)` once a step. A program that reports nothing is never judged.
-watchdog.py repeats STATES, CHECKPOINT_STATES, STEP_MULTIPLE and the signal; tests/test_pod_scripts.py checks
-that the two agree.
+watchdog.py repeats STATES, CHECKPOINT_STATES, STEP_MULTIPLE, the signal and the FR file suffixes;
+tests/test_train_units.py checks that the two agree.
 """
 
 import faulthandler
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +35,8 @@ STATES = ("starting", "restoring", "training", "saving", "stopping")
 CHECKPOINT_STATES = ("restoring", "saving")  # judged by their own budget, not the step budget
 STEP_MULTIPLE = 10  # a step budget is at least this many of the rank's own recent step times
 DUMP_SIGNAL = signal.SIGUSR1
+FR_REQUEST = ".fr-request"  # <pid>.fr-request: the FIFO the watchdog writes to for a flight recorder dump
+FR_DUMP = ".fr.json"  # <pid>.fr.json: torch's dump (_dump_fr_trace_json), replaced atomically
 
 _dump_file = None  # kept open for faulthandler, which writes to its descriptor from the signal handler
 _last_beat: tuple[int, float] | None = None  # (step, time) of the previous beat
@@ -47,6 +53,31 @@ def _install_stack_dump(path: Path) -> None:
     if _dump_file is None:
         _dump_file = open(path.with_name(f"{path.name}.stacks"), "w")  # noqa: SIM115 - open for the process
         faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True)
+        if os.environ.get("TORCH_FR_BUFFER_SIZE", "0") not in ("", "0"):
+            request = path.with_name(f"{path.name}{FR_REQUEST}")
+            request.unlink(missing_ok=True)
+            os.mkfifo(request, 0o600)
+            threading.Thread(target=_serve_flight_recorder, args=(request, path.with_name(f"{path.name}{FR_DUMP}")),
+                             name="rankstate-flight-recorder", daemon=True).start()
+
+
+def _serve_flight_recorder(request: Path, dump: Path) -> None:
+    """Waits on the FIFO (open blocks until the watchdog writes); each request: torch's flight recorder, as JSON.
+    Nothing is written while no process group exists (the recorder is empty then)."""
+    while True:
+        try:
+            with open(request, "rb") as fifo:
+                fifo.read()
+            import torch.distributed as dist  # noqa: PLC0415 - only when asked: rankstate stays import-light
+            from torch._C import _distributed_c10d  # noqa: PLC0415
+
+            if not dist.is_initialized():
+                continue
+            tmp = dump.with_name(f".{dump.name}.tmp")
+            tmp.write_bytes(_distributed_c10d._dump_fr_trace_json())
+            os.replace(tmp, dump)
+        except Exception:  # noqa: BLE001 - diagnostics must never take the rank down
+            return
 
 
 def report(state: str, step: int | None = None) -> None:
@@ -84,7 +115,7 @@ def beat(step: int) -> None:
 def clear() -> None:
     path = _path()
     if path is not None:
-        for leftover in (path, path.with_name(f"{path.name}.stacks")):
+        for leftover in (path, *(path.with_name(f"{path.name}{s}") for s in (".stacks", FR_REQUEST, FR_DUMP))):
             try:
                 leftover.unlink()
             except OSError:

@@ -3,6 +3,7 @@ rank is found by the watchdog in its pod within its budget, every rank's place i
 with its stack, in the log and under <checkpoints>/diagnostics/), and the retry resumes from the last complete
 checkpoint and finishes. A rank slowed by a SIGSTOP/SIGCONT duty cycle is named as a straggler first."""
 
+import json
 import os
 import re
 import signal
@@ -68,11 +69,18 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         # Found within the budget (the last step came before the stop), and every rank placed.
         assert detected_at - stopped_at < STEP_BUDGET_S + 15, log[-3000:]
         assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
-        assert re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: all_reduce", log), \
-            log[-4000:]
+        # Rank 0's flight recorder (torch's, served from a thread while the main thread waits): the collective it
+        # waits in has not completed. The stopped rank cannot answer.
+        waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: all_reduce.*; last "
+                            r"recorded collective #(\d+) gloo:\w+ \(pending, scheduled\)", log)
+        assert waiting, log[-4000:]
         diagnostics = list((ckpt / "diagnostics").glob("run-*/*.txt"))
         assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
         assert any("File " in p.read_text() and "in all_reduce" in p.read_text() for p in diagnostics)
+        recorders = list((ckpt / "diagnostics").glob("run-*/*-rank0.fr.json"))
+        assert len(recorders) == 1 and not list((ckpt / "diagnostics").glob("run-*/*-rank1.fr.json"))
+        entries = json.loads(recorders[0].read_text())["entries"]
+        assert max(e["collective_seq_id"] for e in entries) == int(waiting[1])
         # The retry resumed from a complete checkpoint and finished.
         retry = log[log.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
@@ -97,6 +105,13 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         ckpt = cluster.checkpoint_dir()
         run = re.search(r"hang on \S+ \((run-\S+)\)", log1).group(1)
         assert "read_the_stuck_mount" in (ckpt / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
+        # Its flight recorder: every collective it started completed. Rank 0's, when worker 0's watchdog saw the
+        # stall before rank 1 was ended (both judge the same last step), waits in the next one.
+        culprit = re.search(r"likely the culprit: .*; last recorded collective #(\d+) gloo:\w+ \(completed\)", log1)
+        assert culprit, "\n".join(line for line in log1.splitlines() if "watchdog" in line)
+        waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: .*; last recorded "
+                            r"collective #(\d+) gloo:\w+ \(pending, scheduled\)", log0)
+        assert waiting is None or int(waiting[1]) == int(culprit[1]) + 1, log0[-3000:]
         # The attempt was retried in the same pods, from the last complete checkpoint, to the end.
         assert "starting the run, attempt 2 (1 of 1 failures used, 0 preemptions)" in log0
         assert "running (run-0002-" in log1

@@ -9,7 +9,9 @@ there too). Time in those two does not count against the step budget; `stopping`
 grace period bounds it), and a program that reports nothing is never judged.
 
 On a hang, before anything is killed, every rank of this pod is asked for its stacks (DUMP_SIGNAL: faulthandler,
-registered inside the rank, writes <pid>.stacks; no ptrace needed). The report says, per rank, whether it
+registered inside the rank, writes <pid>.stacks; no ptrace needed) and for torch's flight recorder, the last
+collectives it recorded (a write to the FIFO <pid>FR_REQUEST, which a thread of the rank answers with
+<pid>FR_DUMP: gloo and NCCL alike, when the chart set TORCH_FR_BUFFER_SIZE). The report says, per rank, whether it
 waits in a collective (then it waits for a peer) or where else it is (the likely culprit), or that the process
 is stopped and cannot answer. It goes to this pod's log, to DS_RANK_STATE_DIR/hang-<run>.txt (the launcher or
 the worker script prints it after the failed run) and, with every stack, to
@@ -20,6 +22,7 @@ The peers on other pods stop progressing too, so their watchdogs report and end 
 Usage: watchdog.py   (runs until its parent exits; standard library only)
 """
 
+import json
 import os
 import re
 import signal
@@ -33,6 +36,8 @@ STATES = ("starting", "restoring", "training", "saving", "stopping")
 CHECKPOINT_STATES = ("restoring", "saving")
 STEP_MULTIPLE = 10
 DUMP_SIGNAL = signal.SIGUSR1
+FR_REQUEST = ".fr-request"
+FR_DUMP = ".fr.json"
 
 POLL_S = 1.0
 DUMP_WAIT_S = 3.0
@@ -152,8 +157,46 @@ def dump_stacks(ranks: list[Rank], state_dir: Path) -> dict[int, str]:
     return stacks
 
 
+def dump_flight_recorders(ranks: list[Rank], state_dir: Path) -> dict[int, dict]:
+    """Asks every rank that serves its flight recorder for a dump and waits up to DUMP_WAIT_S: {pid: dump}."""
+    asked = {}
+    for rank in ranks:
+        (state_dir / f"{rank.pid}{FR_DUMP}").unlink(missing_ok=True)
+        try:  # O_NONBLOCK: ENXIO at once when no thread listens (a stopped rank, a program without the recorder)
+            fd = os.open(state_dir / f"{rank.pid}{FR_REQUEST}", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        os.write(fd, b"1")
+        os.close(fd)
+        asked[rank.pid] = state_dir / f"{rank.pid}{FR_DUMP}"
+    dumps: dict[int, dict] = {}
+    deadline = time.monotonic() + DUMP_WAIT_S
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for pid, path in list(asked.items()):
+            try:
+                dumps[pid] = json.loads(path.read_text())
+                del asked[pid]
+            except (OSError, ValueError):
+                pass
+    return dumps
+
+
+def last_collective(dump: dict) -> str:
+    """The rank's newest recorded collective: its sequence number across the group, what, and whether it
+    completed (a pending one waits for a peer; a peer whose newest number is lower never reached it). Gloo
+    records no start or end events: its entries say `scheduled` until retired."""
+    entries = [e for e in dump.get("entries", []) if not e.get("is_p2p")]
+    if not entries:
+        return "no collective recorded"
+    last = max(entries, key=lambda e: e.get("collective_seq_id", 0))
+    state = "completed" if last.get("retired") else f"pending, {last.get('state', '?')}"
+    return f"last recorded collective #{last.get('collective_seq_id')} {last.get('profiling_name', '?')} ({state})"
+
+
 def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: Path) -> None:
     host = socket.gethostname()
+    recorders = dump_flight_recorders(ranks, state_dir)
     stacks = dump_stacks(ranks, state_dir)
     run = re.sub(r"[^A-Za-z0-9_.-]", "_", next((r.env["DS_RUN_ID"] for r in ranks if r.env.get("DS_RUN_ID")), "run"))
     lines = [f"hang on {host} ({run}): " + "; ".join(
@@ -169,6 +212,8 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
             verdict = where + ("" if waits else "; likely the culprit: its peers wait for it")
         else:
             verdict = f"no stack (process {proc}; the program did not register train.rankstate's stack dump)"
+        if rank.pid in recorders:
+            verdict += f"; {last_collective(recorders[rank.pid])}"
         lines.append(f"  {rank.name()} on {host}: {verdict}")
     text = "\n".join(lines)
     for line in lines:
@@ -181,7 +226,12 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
             folder.mkdir(parents=True, exist_ok=True)
             full = "\n\n".join(f"===== {r.name()}: stacks\n{stacks.get(r.pid, '(none)')}" for r in ranks)
             (folder / f"{host}.txt").write_text(f"{text}\n\n{full}\n")
-            log(f"stacks of every rank here: {folder / host}.txt")
+            for rank in ranks:
+                if rank.pid in recorders:
+                    (folder / f"{host}-rank{rank.env.get('RANK', rank.pid)}{FR_DUMP}").write_text(
+                        json.dumps(recorders[rank.pid]))
+            log(f"stacks of every rank here: {folder / host}.txt"
+                + (f"; flight recorders: {folder / host}-rank<N>{FR_DUMP}" if recorders else ""))
         except OSError as err:
             log(f"could not write {folder}: {err.strerror}")
 
@@ -207,7 +257,8 @@ def main() -> int:
         for pid in pids:
             if not Path(f"/proc/{pid}").exists():  # killed without clearing its file
                 (state_dir / str(pid)).unlink(missing_ok=True)
-                (state_dir / f"{pid}.stacks").unlink(missing_ok=True)
+                for suffix in (".stacks", FR_REQUEST, FR_DUMP):
+                    (state_dir / f"{pid}{suffix}").unlink(missing_ok=True)
                 ended.discard(pid)
                 continue
             if pid in ended:
