@@ -234,7 +234,7 @@ def main() -> int:
     print(f"{'fault':<11}{'mode':<7}{'trial':>6}{'detected after s':>18}{'resumed after s':>17}{'trained':>9}"
           f"{'resumed':>9}{'lost':>6}{'pods recreated':>16}{'budget used':>13}{'finished':>10}")
     show = lambda x: "-" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
-    for fault in args.faults.split(","):
+    for fault in filter(None, args.faults.split(",")):
         for mode in ("ssh", "nossh"):
             for i in range(args.trials):
                 t = fault_trial(extensions, mode, fault)
