@@ -126,10 +126,16 @@ def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_p
     for state in rankstate.STATES:
         rankstate.report(state)
         assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state}\n"
-    rankstate.beat(7)
-    rankstate.beat(9)  # two steps later: the smoothed step time is measured
-    words = (tmp_path / "ranks" / str(os.getpid())).read_text().split()
-    assert words[:2] == ["training", "step=9"] and words[2].startswith("step_s=")
+    state = tmp_path / "ranks" / str(os.getpid())
+    rankstate.beat(7)  # the first beat after another state replaces the file
+    assert state.read_text() == "training step=7\n"
+    rankstate.beat(9)  # then written in place: two steps later, the smoothed step time is measured
+    words = state.read_text().split()
+    assert words[:2] == ["training", "step=9"] and words[2].startswith("step_s=") and len(words) == 3
+    rankstate.report("saving")  # a new state replaces the file again, and the next beat too
+    assert state.read_text().split()[0] == "saving"
+    rankstate.beat(10)
+    assert state.read_text().split()[:2] == ["training", "step=10"]
     # No temporary file left; the stack dump's file is open for faulthandler.
     assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [str(os.getpid()), f"{os.getpid()}.stacks"]
     rankstate.clear()

@@ -72,15 +72,17 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         # Rank 0's flight recorder (torch's, served from a thread while the main thread waits): the collective it
         # waits in has not completed. The stopped rank cannot answer.
         waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: all_reduce.*; last "
-                            r"recorded collective #(\d+) gloo:\w+ \(pending, scheduled\)", log)
-        assert waiting, log[-4000:]
+                            r"recorded collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log)
+        assert waiting, "\n".join(line for line in log.splitlines() if "watchdog" in line)
         diagnostics = list((ckpt / "diagnostics").glob("run-*/*.txt"))
         assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
         assert any("File " in p.read_text() and "in all_reduce" in p.read_text() for p in diagnostics)
         recorders = list((ckpt / "diagnostics").glob("run-*/*-rank0.fr.json"))
         assert len(recorders) == 1 and not list((ckpt / "diagnostics").glob("run-*/*-rank1.fr.json"))
         entries = json.loads(recorders[0].read_text())["entries"]
-        assert max(e["collective_seq_id"] for e in entries) == int(waiting[1])
+        pending = [e for e in entries if not e["retired"]]
+        oldest = min(pending, key=lambda e: e["record_id"])
+        assert (oldest["collective_seq_id"], oldest["process_group"][-1]) == (int(waiting[1]), waiting[2])
         # The retry resumed from a complete checkpoint and finished.
         retry = log[log.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
@@ -107,11 +109,12 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         assert "read_the_stuck_mount" in (ckpt / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
         # Its flight recorder: every collective it started completed. Rank 0's, when worker 0's watchdog saw the
         # stall before rank 1 was ended (both judge the same last step), waits in the next one.
-        culprit = re.search(r"likely the culprit: .*; last recorded collective #(\d+) gloo:\w+ \(completed\)", log1)
+        culprit = re.search(r"likely the culprit: .*; last recorded collective #(\d+) gloo:\w+ in group (\S+) "
+                            r"\(completed\)", log1)
         assert culprit, "\n".join(line for line in log1.splitlines() if "watchdog" in line)
         waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: .*; last recorded "
-                            r"collective #(\d+) gloo:\w+ \(pending, scheduled\)", log0)
-        assert waiting is None or int(waiting[1]) == int(culprit[1]) + 1, log0[-3000:]
+                            r"collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log0)
+        assert waiting is None or waiting[2] != culprit[2] or int(waiting[1]) == int(culprit[1]) + 1, log0[-3000:]
         # The attempt was retried in the same pods, from the last complete checkpoint, to the end.
         assert "starting the run, attempt 2 (1 of 1 failures used, 0 preemptions)" in log0
         assert "running (run-0002-" in log1

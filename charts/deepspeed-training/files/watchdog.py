@@ -183,15 +183,20 @@ def dump_flight_recorders(ranks: list[Rank], state_dir: Path) -> dict[int, dict]
 
 
 def last_collective(dump: dict) -> str:
-    """The rank's newest recorded collective: its sequence number across the group, what, and whether it
-    completed (a pending one waits for a peer; a peer whose newest number is lower never reached it). Gloo
+    """Where the rank's collectives stand: the oldest one still pending (it waits there for a peer), else the
+    newest completed (a rank whose collectives all completed never reached the one its peers wait in). Sequence
+    numbers count per process group, so the group is named; record_id orders entries across groups. Gloo
     records no start or end events: its entries say `scheduled` until retired."""
     entries = [e for e in dump.get("entries", []) if not e.get("is_p2p")]
     if not entries:
         return "no collective recorded"
-    last = max(entries, key=lambda e: e.get("collective_seq_id", 0))
-    state = "completed" if last.get("retired") else f"pending, {last.get('state', '?')}"
-    return f"last recorded collective #{last.get('collective_seq_id')} {last.get('profiling_name', '?')} ({state})"
+    pending = [e for e in entries if not e.get("retired")]
+    entry = (min(pending, key=lambda e: e.get("record_id", 0)) if pending
+             else max(entries, key=lambda e: e.get("record_id", 0)))
+    group = (entry.get("process_group") or ["?", "?"])[-1]
+    state = f"pending, {entry.get('state', '?')}" if pending else "completed"
+    return (f"last recorded collective #{entry.get('collective_seq_id')} {entry.get('profiling_name', '?')} in "
+            f"group {group} ({state})")
 
 
 def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: Path) -> None:
