@@ -16,10 +16,11 @@ log() { echo "worker $node_rank: $*"; }
 source "$scripts_dir/run-child.sh"  # run_in_background, $child
 stopping=""
 # PID 1 ignores SIGTERM without a handler. The ranks get SIGTERM (they save a checkpoint together) and, if
-# they do not stop within the grace period, SIGKILL.
+# they do not stop within the grace period, SIGKILL. DeepSpeed's launcher may be gone by then (it exits with its
+# ranks): a failed kill must not end the script under set -e with 1 instead of 143.
 trap 'stopping=1; log "SIGTERM: stopping local ranks"; python3 "$scripts_dir/attempts.py" stopped || true
       bash "$scripts_dir/kill-ranks.sh" || true
-      if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null; else exit 143; fi' TERM INT
+      if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null || true; else exit 143; fi' TERM INT
 
 if [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
   python3 "$scripts_dir/watchdog.py" &  # it exits with this script
