@@ -148,21 +148,19 @@ def start_rank(args: list[str], env: dict, out_fd: int, group: int):
 
 
 class Ranks:
-    """`ranks` processes of `python -m train` in one process group, their output merged into one pipe, with the
-    env DeepSpeed's launcher gives each rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*): the ranks a `deepspeed
-    --num_gpus N` run starts, without its runner's and launch.py's two Python start-ups (~3 s each, importing
-    torch and DeepSpeed). The e2e and cluster tiers run the real launcher. Popen-like: pid (the process group),
-    stdout, communicate(), returncode (0, or the first failing rank's status)."""
+    """Rank processes of `python -m train` in one process group, their output merged into one pipe (launch()
+    gives them the env DeepSpeed's launcher gives each rank: the ranks a `deepspeed --num_gpus N` run starts,
+    without its runner's and launch.py's two Python start-ups, ~3 s each). The e2e and cluster tiers run the
+    real launcher. Popen-like: pid (the process group), stdout, communicate(), returncode (0, or the first
+    failing rank's status)."""
 
-    def __init__(self, args: list[str], ranks: int):
+    def __init__(self, args: list[str], ranks: list[tuple[list[str], dict]]):
+        """`ranks`: each rank's (arguments, env)."""
         read, write = os.pipe()
-        env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
-               "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
         self.processes = []
-        for rank in range(ranks):
+        for rank_args, env in ranks:
             group = self.processes[0].pid if self.processes else 0
-            self.processes.append(start_rank([f"--local_rank={rank}", *args],
-                                             {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, write, group))
+            self.processes.append(start_rank(rank_args, env, write, group))
         os.close(write)
         self.pid = self.processes[0].pid
         self.args = args
@@ -184,7 +182,10 @@ class Ranks:
 
 
 def launch(args: list[str], ranks: int = 2) -> Ranks:
-    return Ranks(args, ranks)
+    env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
+           "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    return Ranks(args, [([f"--local_rank={rank}", *args], {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                        for rank in range(ranks)])
 
 
 def run_train(args: list[str], ranks: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -204,12 +205,7 @@ def run_single(args: list[str], timeout: float = 120, **env_extra: str) -> subpr
     env = train_env()
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                **env_extra)
-    process = Ranks.__new__(Ranks)  # one rank, this env exactly
-    read, write = os.pipe()
-    process.processes = [start_rank(list(args), env, write, 0)]
-    os.close(write)
-    process.pid, process.args, process.returncode = process.processes[0].pid, args, None
-    process.stdout, process._reader, process._rest = os.fdopen(read, "r", errors="replace"), None, []
+    process = Ranks(args, [(list(args), env)])  # one rank, this env exactly
     try:
         out, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
