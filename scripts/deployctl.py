@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -414,9 +415,25 @@ def write(r: Rendered) -> None:
         "workers": r.effective["worker"]["replicas"], "gpus": r.effective["worker"]["gpusPerWorker"],
         "batch": [("auto" if n is None else n) for n in r.batch], "preset": r.settings["deepspeed"]["preset"],
         "ranks": layout_of(r.effective).describe()})
-    (r.out / "values.yaml").write_text(values)
-    (r.out / "ds_config.json").write_text(json.dumps(r.ds_config, indent=2) + "\n")
-    (r.out / "train_config.json").write_text(json.dumps(r.effective["train"]["config"], indent=2) + "\n")
+    write_file(r.out / "values.yaml", values)
+    write_file(r.out / "ds_config.json", json.dumps(r.ds_config, indent=2) + "\n")
+    write_file(r.out / "train_config.json", json.dumps(r.effective["train"]["config"], indent=2) + "\n")
+
+
+def write_file(path: Path, text: str) -> None:
+    """Replace `path` whole: two runs for one ENV/PROJECT at once (a plan beside a deploy, parallel CI jobs on
+    one checkout) each read back a complete file, never the other's half-written one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # what write_text would have made
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------- plan
@@ -700,7 +717,7 @@ def helm_template(r: Rendered, release: str | None = None, namespace: str | None
     if proc.returncode != 0:
         where = f"{r.out.relative_to(ROOT)}/values.yaml{blame_chart_error(r, proc.stderr)}"
         raise DeployError(f"the chart refuses {where}: {helm_message(proc.stderr)}")
-    (r.out / "manifests.yaml").write_text(proc.stdout)
+    write_file(r.out / "manifests.yaml", proc.stdout)
     return proc.stdout
 
 
