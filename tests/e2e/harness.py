@@ -21,6 +21,7 @@ mount point, file and process it made, also when a test fails.
 """
 
 import base64
+import fcntl
 import functools
 import os
 import pwd
@@ -131,10 +132,16 @@ def ensure_user(uid: int, home: str) -> str:
         entry = pwd.getpwuid(uid)
     except KeyError:
         name = f"ds{uid}"
-        subprocess.run(["useradd", "--uid", str(uid), "--user-group", "--no-create-home", "--home-dir", home,
-                        "--shell", "/bin/bash", name], check=True, capture_output=True)
-        subprocess.run(["usermod", "-p", "*", name], check=True)  # '!' would mean locked to sshd (UsePAM no)
-        return name
+        added = subprocess.run(["useradd", "--uid", str(uid), "--user-group", "--no-create-home", "--home-dir",
+                                home, "--shell", "/bin/bash", name], capture_output=True, text=True)
+        if added.returncode != 0:  # another test process (pytest -n) may have added it just now
+            try:
+                entry = pwd.getpwuid(uid)
+            except KeyError:
+                raise RuntimeError(f"useradd {name}: {added.stderr.strip()}") from None
+        else:
+            subprocess.run(["usermod", "-p", "*", name], check=True)  # '!' would mean locked to sshd (UsePAM no)
+            return name
     if entry.pw_dir != home:
         raise RuntimeError(f"uid {uid} ({entry.pw_name}) has home {entry.pw_dir}, the chart expects {home}")
     return entry.pw_name
@@ -217,6 +224,45 @@ def container_env(docs: list[dict], pod: Pod) -> dict[str, str]:
     return env
 
 
+class MountPoints:
+    """The directories made on this machine for pods to mount over (/etc/deepspeed/config, /checkpoints, ...),
+    shared by every Cluster alive in any process (pytest -n): removing one while another cluster's pod is bound
+    to it would detach that pod's volume (rmdir lazily unmounts it in other mount namespaces). Each cluster
+    holds a shared lock while it lives; the last one out (the exclusive lock) removes what all of them made."""
+
+    LOCK, REGISTRY = Path("/run/ds-e2e-mountpoints.lock"), Path("/run/ds-e2e-mountpoints")
+
+    def __init__(self):
+        self.lock = open(self.LOCK, "a")
+        fcntl.flock(self.lock, fcntl.LOCK_SH)
+
+    def ensure(self, path: str) -> None:
+        p, missing = Path(path), []
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        if missing:
+            with open(self.REGISTRY, "a") as registry:
+                registry.write("".join(f"{d}\n" for d in missing))
+            for d in reversed(missing):
+                d.mkdir(exist_ok=True)
+
+    def release(self) -> None:
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another cluster still lives: the last one out removes them
+            self.lock.close()
+            return
+        made = self.REGISTRY.read_text().split() if self.REGISTRY.exists() else []
+        for d in sorted(set(made), key=lambda d: -d.count("/")):  # deepest first
+            try:
+                Path(d).rmdir()
+            except OSError:
+                pass
+        self.REGISTRY.unlink(missing_ok=True)
+        self.lock.close()
+
+
 class Cluster:
     """Hosts for the pods of one render. Use as a context manager; everything is removed on exit."""
 
@@ -229,7 +275,7 @@ class Cluster:
         self.pods = pods_from_render(docs)
         self.switch = f"ds{self.id}sw"
         self.claim_dir = claims or Claims(self.tmp)
-        self.created_dirs: list[Path] = []
+        self.mount_points = MountPoints()
         for i, pod in enumerate(self.pods):
             pod.ip, pod.netns = f"10.{subnet}.0.{10 + i}", f"ds{self.id}p{i}"
 
@@ -253,11 +299,7 @@ class Cluster:
             subprocess.run(["ip", "netns", "del", pod.netns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{pod.netns}", ignore_errors=True)
         subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)
-        for path in reversed(self.created_dirs):
-            try:
-                path.rmdir()
-            except OSError:
-                pass
+        self.mount_points.release()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _run(self, *cmd):
@@ -291,16 +333,6 @@ class Cluster:
     def _materialize(self, pod: Pod) -> dict[str, Path]:
         return materialize_volumes(self.docs, pod, self.tmp / f"{pod.name}.{pod.attempt}", self.claim_dir)
 
-    def _mountpoint(self, path: str):
-        p = Path(path)
-        missing = []
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
-        for d in reversed(missing):
-            d.mkdir()
-            self.created_dirs.append(d)
-
     def checkpoint_dir(self) -> Path:
         """What the worker pods see at checkpoints.mountPath: the release's own directory on the claim."""
         pod = self.pods_of("worker")[0]
@@ -318,7 +350,7 @@ class Cluster:
             pod.mounts = {}
         pod.mounts = pod.mounts or self._materialize(pod)
         for mount_path in pod.mounts:
-            self._mountpoint(mount_path)
+            self.mount_points.ensure(mount_path)
         argv = argv or pod.container.get("command", []) + pod.container.get("args", [])
         env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOSTNAME": pod.hostname,
                **container_env(self.docs, pod)}
