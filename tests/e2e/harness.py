@@ -458,6 +458,20 @@ class Cluster:
         code = wait(self.start(launcher), timeout=timeout)
         return code, launcher.log()
 
+    def rank_states(self, pod: Pod) -> list[str]:
+        """The first line of each heartbeat file the pod's ranks keep in DS_RANK_STATE_DIR ("training step=21
+        ..."): where a rank is, as the pod's watchdog reads it."""
+        state_dir = container_env(self.docs, pod)["DS_RANK_STATE_DIR"]
+        mounted = max((dst for dst in pod.mounts if Path(state_dir).is_relative_to(dst)), key=len)
+        states = []
+        for path in (pod.mounts[mounted] / Path(state_dir).relative_to(mounted)).glob("[0-9]*"):
+            if path.name.isdigit():
+                try:
+                    states.append(path.read_text().split("\n", 1)[0].strip())
+                except OSError:  # replaced or cleared meanwhile
+                    continue
+        return states
+
     def rank_pids(self, pod: Pod, ranks_only: bool = False) -> list[int]:
         """The pod's DeepSpeed processes: deepspeed.launcher.launch and the ranks it started (ranks_only: the
         ranks, the processes a test kills to make one fail)."""

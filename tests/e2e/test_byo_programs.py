@@ -63,14 +63,14 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
     # The next attempt (a redeploy that asks for more steps) resumes from checkpoint-10; one of its ranks then
     # stops. The Trainer's own collective timeout would wait; the heartbeat of the example's one-line callback
     # ends the attempt within the budget, and the retry in the pod resumes from the newest checkpoint.
-    with Cluster(render(hf_values(35))) as cluster:
+    with Cluster(render(hf_values(60))) as cluster:
         subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.checkpoint_dir())], check=True)
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         run = cluster.start(launcher)
         ckpt = cluster.checkpoint_dir()
         wait_for(lambda: (ckpt / "checkpoint-20").is_dir(), 180, "checkpoint-20", launcher.log)
-        os.kill(cluster.rank_pids(workers[1], ranks_only=True)[0], signal.SIGSTOP)
+        stop_in_a_step(cluster, workers[1], launcher)
         stopped_at = time.monotonic()
         detected_at = wait_for(lambda: "hang on" in launcher.log(), 60, "the hang report", launcher.log)
         code = wait(run, timeout=300)
@@ -81,7 +81,23 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
     assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
     retry = log[log.rindex("attempts: attempt 2 ("):]
     assert re.search(r"hf_trainer: resuming from /checkpoints/checkpoint-(\d+)", retry), retry[-3000:]
-    assert "hf_trainer: done at global step 35" in retry
+    assert "hf_trainer: done at global step 60" in retry
+
+
+def stop_in_a_step(cluster: Cluster, worker, launcher) -> None:
+    """SIGSTOP the worker's rank while it trains, not while it saves (a save is judged by the checkpoint budget,
+    not the step budget): stopped, its heartbeat file can no longer change, so it says where the stop landed."""
+    pid = cluster.rank_pids(worker, ranks_only=True)[0]
+
+    def stopped_training() -> bool:
+        if not any(state.startswith("training ") for state in cluster.rank_states(worker)):
+            return False
+        os.kill(pid, signal.SIGSTOP)
+        if any(state.startswith("training ") for state in cluster.rank_states(worker)):
+            return True
+        os.kill(pid, signal.SIGCONT)  # it began a save in between: try again
+        return False
+    wait_for(stopped_training, 60, "the rank stopped in a step", launcher.log, interval=0.02)
 
 
 def argparse_losses(log: str) -> list[float]:
