@@ -73,7 +73,7 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         # waits in has not completed. The stopped rank cannot answer.
         waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: all_reduce.*; last "
                             r"recorded collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log)
-        assert waiting, "\n".join(line for line in log.splitlines() if "watchdog" in line)
+        assert waiting, "\n".join(line for line in log.splitlines() if "hang on" in line or "rank " in line)
         diagnostics = list((ckpt / "diagnostics").glob("run-*/*.txt"))
         assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
         assert any("File " in p.read_text() and "in all_reduce" in p.read_text() for p in diagnostics)
