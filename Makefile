@@ -10,6 +10,9 @@ export PATH := $(ROOT)/.venv/bin:$(ROOT)/.tools/bin:$(PATH)
 # DeepSpeed's JIT-built ops, built once by `make setup`.
 export TORCH_EXTENSIONS_DIR := $(ROOT)/.build/torch_extensions
 PYTEST_ARGS ?=
+# pytest processes for `make test`: the suite waits on ranks, sshd and helm more than it computes (43% of 2 cores
+# busy in one process), so two share this machine's cores; each takes whole test files (module fixtures stay shared).
+TEST_WORKERS ?= 2
 ENV ?=
 PROJECT ?=
 KUBE_CONTEXT ?=
@@ -27,7 +30,8 @@ override DRY_RUN := $(value DRY_RUN)
 override WAIT := $(value WAIT)
 override REGISTRY := $(value REGISTRY)
 override PYTEST_ARGS := $(value PYTEST_ARGS)
-export ENV PROJECT KUBE_CONTEXT
+override TEST_WORKERS := $(value TEST_WORKERS)
+export ENV PROJECT KUBE_CONTEXT TEST_WORKERS
 # A refused value as the error shows it: quoted, on one line. Never expanded again (make expands a reference once).
 define newline
 
@@ -102,7 +106,7 @@ demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train
 
 .PHONY: test
 test: setup lint ## Set up if needed, lint, then run the whole test suite (chart, train, glue, multi-host e2e).
-	pytest $(PYTEST_ARGS)
+	pytest -n "$$TEST_WORKERS" --dist loadfile $(PYTEST_ARGS)
 
 .PHONY: generate
 generate: ## Regenerate what is generated from its owner: the chart README's values table and schema docs, the chart's ds_config keys.
