@@ -11,7 +11,8 @@ export PATH := $(ROOT)/.venv/bin:$(ROOT)/.tools/bin:$(PATH)
 export TORCH_EXTENSIONS_DIR := $(ROOT)/.build/torch_extensions
 PYTEST_ARGS ?=
 # pytest processes for `make test`: the suite waits on ranks, sshd and helm more than it computes (43% of 2 cores
-# busy in one process), so two share this machine's cores; each takes whole test files (module fixtures stay shared).
+# busy in one process), so two share this machine's cores; each takes whole test files (module fixtures stay shared),
+# in collection order: the long multi-host files of tests/e2e first, not last (xdist's default puts big files first).
 TEST_WORKERS ?= 2
 ENV ?=
 PROJECT ?=
@@ -106,7 +107,7 @@ demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train
 
 .PHONY: test
 test: setup lint ## Set up if needed, lint, then run the whole test suite (chart, train, glue, multi-host e2e).
-	pytest -n "$$TEST_WORKERS" --dist loadfile $(PYTEST_ARGS)
+	pytest -n "$$TEST_WORKERS" --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 .PHONY: generate
 generate: ## Regenerate what is generated from its owner: the chart README's values table and schema docs, the chart's ds_config keys.
