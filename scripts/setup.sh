@@ -29,11 +29,22 @@ fi
 # 2. helm 4 and helm 3 (pinned) under .tools/bin.
 bash scripts/install-tools.sh
 
-# 3. The Python environment: torch first, then deepspeed without build isolation, then the rest.
-#    Debian's python3 (world-readable under /usr), not one under /root (pyenv): the pods' non-root user runs
-#    this venv in the e2e tests, and cannot reach /root.
+# 3. checkov in its own environment (its pinned dependencies do not resolve beside ours), installed in the
+#    background while steps 4 and 5 download torch and compile: a fresh setup is that much shorter.
 python=/usr/bin/python3
 [[ -x "$python" ]] || python=python3
+checkov_pid=
+if [[ ! -x .tools/checkov/bin/checkov ]]; then
+  mkdir -p .build
+  ( rm -rf .tools/checkov && "$python" -m venv .tools/checkov \
+      && .tools/checkov/bin/python -m pip install -q --disable-pip-version-check checkov==3.3.30 ) \
+    > .build/checkov-install.log 2>&1 &
+  checkov_pid=$!
+fi
+
+# 4. The Python environment: torch first, then deepspeed without build isolation, then the rest.
+#    Debian's python3 (world-readable under /usr), not one under /root (pyenv): the pods' non-root user runs
+#    this venv in the e2e tests, and cannot reach /root.
 stamp=".venv/.installed-$(cat pyproject.toml <(readlink -f "$python") | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   if [[ -d .venv ]] && ! grep -q "^home = $(dirname "$(readlink -f "$python")")\$" .venv/pyvenv.cfg 2> /dev/null; then
@@ -50,13 +61,6 @@ if [[ ! -f "$stamp" ]]; then
   log "python environment ready in .venv"
 fi
 
-# 4. checkov in its own environment: its pinned dependencies do not resolve beside ours.
-if [[ ! -x .tools/checkov/bin/checkov ]]; then
-  "$python" -m venv .tools/checkov
-  .tools/checkov/bin/python -m pip install -q --disable-pip-version-check checkov==3.3.30
-  log "checkov ready in .tools/checkov"
-fi
-
 # 5. DeepSpeed JIT-builds its CPU shared-memory comm op at every init_distributed (1-4 minutes). Build it
 #    once into .build/torch_extensions, which `make` points TORCH_EXTENSIONS_DIR at.
 export TORCH_EXTENSIONS_DIR="$root/.build/torch_extensions" PATH="$root/.venv/bin:$PATH"
@@ -65,5 +69,9 @@ find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2> /dev/null || true
 if [[ -z "$(find "$TORCH_EXTENSIONS_DIR" -name deepspeed_shm_comm.so 2> /dev/null)" ]]; then
   log "building DeepSpeed's shm_comm op (once; 1-4 minutes)"
   python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
+fi
+if [[ -n "$checkov_pid" ]]; then
+  wait "$checkov_pid" || { cat .build/checkov-install.log; log "checkov install failed"; exit 1; }
+  log "checkov ready in .tools/checkov"
 fi
 log "done"
