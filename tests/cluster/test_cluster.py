@@ -113,8 +113,8 @@ def worker_exec(namespace: str, ordinal: int, *argv: str, check: bool = True) ->
 def namespace(namespace_factory_function_scope):
     name = namespace_factory_function_scope(f"ds-{uuid.uuid4().hex[:8]}").metadata["name"]
     yield name
-    # pytest-helm-charts then deletes the namespace and waits until it is gone: without this, that wait sat out
-    # every pod's grace period (11 s a test), and the ranks of the test just ended kept the node's 2 CPUs busy.
+    # pytest-helm-charts then deletes the namespace and waits until it is gone (about 11 s, the namespace
+    # controller's own time); the ended test's ranks go at once instead of keeping the node's 2 CPUs busy.
     kubectl("delete", "statefulsets,jobs,pods", "--all", "--grace-period=0", "--force", "--wait=false",
             namespace=name, check=False)
 
