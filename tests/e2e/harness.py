@@ -134,14 +134,12 @@ def ensure_user(uid: int, home: str) -> str:
         name = f"ds{uid}"
         added = subprocess.run(["useradd", "--uid", str(uid), "--user-group", "--no-create-home", "--home-dir",
                                 home, "--shell", "/bin/bash", name], capture_output=True, text=True)
-        if added.returncode != 0:  # another test process (pytest -n) may have added it just now
-            try:
-                entry = pwd.getpwuid(uid)
-            except KeyError:
-                raise RuntimeError(f"useradd {name}: {added.stderr.strip()}") from None
-        else:
-            subprocess.run(["usermod", "-p", "*", name], check=True)  # '!' would mean locked to sshd (UsePAM no)
-            return name
+        try:  # a failed useradd is fine where another test process (pytest -n) added the user just now
+            entry = pwd.getpwuid(uid)
+        except KeyError:
+            raise RuntimeError(f"useradd {name}: {added.stderr.strip()}") from None
+        # Also where the other process added it: it may not have unlocked it yet ('!' is locked to sshd).
+        subprocess.run(["usermod", "-p", "*", entry.pw_name], check=True)
     if entry.pw_dir != home:
         raise RuntimeError(f"uid {uid} ({entry.pw_name}) has home {entry.pw_dir}, the chart expects {home}")
     return entry.pw_name
