@@ -1,5 +1,6 @@
 """In-process checks of the train package's pieces: config, ds_config checks, data sharding, tokenizer."""
 
+import json
 import os
 import re
 from pathlib import Path
@@ -123,23 +124,29 @@ def test_tokenizer_round_trips_text():
 def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_path, monkeypatch):
     from train import rankstate
     monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))
+    monkeypatch.setenv("RANK", "1")
     for state in rankstate.STATES:
         rankstate.report(state)
-        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state}\n"
+        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state} rank=1\n"
     state = tmp_path / "ranks" / str(os.getpid())
     rankstate.beat(7)  # the first beat after another state replaces the file
-    assert state.read_text() == "training step=7\n"
+    assert state.read_text() == "training rank=1 step=7\n"
     rankstate.beat(9)  # then written in place: two steps later, the smoothed step time is measured
     words = state.read_text().split()
-    assert words[:2] == ["training", "step=9"] and words[2].startswith("step_s=") and len(words) == 3
+    assert words[:3] == ["training", "rank=1", "step=9"] and words[3].startswith("step_s=") and len(words) == 4
     rankstate.report("saving")  # a new state replaces the file again, and the next beat too
     assert state.read_text().split()[0] == "saving"
     rankstate.beat(10)
-    assert state.read_text().split()[:2] == ["training", "step=10"]
-    # No temporary file left; the stack dump's file is open for faulthandler.
+    assert state.read_text().split()[:3] == ["training", "rank=1", "step=10"]
+    # No temporary file left; the stack dump's file is open for faulthandler; rank 0 alone publishes progress.
     assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [str(os.getpid()), f"{os.getpid()}.stacks"]
-    rankstate.clear()
-    assert not list((tmp_path / "ranks").iterdir())
+    monkeypatch.setenv("RANK", "0")
+    rankstate.beat(11)
+    rankstate.publish(loss=float("nan"), steps=20)
+    published = json.loads((tmp_path / "ranks" / rankstate.PROGRESS).read_text())
+    assert published["step"] == 11 and published["steps"] == 20 and published["loss"] == "nan"
+    rankstate.clear()  # the progress stays: the sidecar's last word on the run
+    assert [p.name for p in (tmp_path / "ranks").iterdir()] == [rankstate.PROGRESS]
     monkeypatch.delenv("DS_RANK_STATE_DIR")
     rankstate.report("starting")  # outside the chart: nothing written, nothing raised
 

@@ -282,6 +282,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     layout = layout_of(engine, world_size, cfg)
     rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
     start_step, position = resume(engine, cfg, inputs, rank, layout)
+    rankstate.publish(steps=cfg.steps, checkpoint_step=start_step or None)
     rankstate.report("starting")  # the start-up budget again, until the first step
     if start_step >= cfg.steps:
         logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
@@ -315,6 +316,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         if saved:
             progress.pause(saved[1])
             logger.info(f"saved checkpoint {saved[0]} in {saved[1]:.1f}s")
+            rankstate.publish(checkpoint_step=step, checkpoint_save_s=round(saved[1], 3))
             if not stopping:
                 rankstate.beat(step)  # back from `saving`: the next step's budget starts now
         if stopping:
@@ -330,6 +332,8 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         if rank == 0 and ckpt_dir:
             write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, progress.paused_s, world_size, peak_rss, use)
         logger.info(f"done: {len(losses)} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
+    if status == 0:
+        rankstate.publish(state="done", eta_s=0)
     return status
 
 

@@ -1,11 +1,14 @@
 """The rank-0 progress line and the interval timing behind it, in one object the training loop calls once a step:
 `step 40/1000 | loss 3.2101 | lr 3.000e-04 | 51,234 tokens/s | 400.3 samples/s | mfu 41.0% | eta 1:02:03`.
 Time the loop reports as paused (checkpoint saves) is kept out of the throughput figures. Stragglers names a rank
-that every step waits for."""
+that every step waits for. The logged figures also go to rank 0's progress file (train/rankstate.py), for the chart's
+progress ConfigMap and metrics."""
 
 import statistics
 import time
 from collections.abc import Callable
+
+from train import rankstate
 
 
 def format_eta(seconds: float) -> str:
@@ -33,10 +36,13 @@ class Progress:
         per_step = (now - self.started) / (step - self.start_step)
         tokens_per_s = self.tokens_per_step * interval_steps / interval
         utilised = self.mfu_of(tokens_per_s)
+        eta_s = per_step * (self.steps - step)
+        rankstate.publish(step=step, steps=self.steps, loss=loss, lr=lr, tokens_per_s=round(tokens_per_s, 1),
+                          mfu=utilised, eta_s=round(eta_s, 1))
         self.logger.info(
             f"step {step}/{self.steps} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s | "
             f"{self.global_batch * interval_steps / interval:.1f} samples/s | "
-            f"{'' if utilised is None else f'mfu {utilised:.1%} | '}eta {format_eta(per_step * (self.steps - step))}")
+            f"{'' if utilised is None else f'mfu {utilised:.1%} | '}eta {format_eta(eta_s)}")
         self.interval_start = now
 
     def pause(self, seconds: float) -> None:

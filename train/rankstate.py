@@ -20,11 +20,19 @@ and its mtime is the heartbeat. Two readers in the pod (charts/deepspeed-trainin
 
 The contract for any program (the train package, the Hugging Face callback in train/hf_callback.py, or a
 bring-your-own loop): call `beat(step)` once a step. A program that reports nothing is never judged.
+
+Progress, for people: rank 0 also keeps DS_RANK_STATE_DIR/PROGRESS, a JSON object replaced atomically: its state,
+step and step time (from report() and, every PUBLISH_EVERY_S at most, beat()), the attempt counter the pod scripts
+give every rank (DS_ATTEMPT, ...), and whatever the program adds with `publish(...)` (steps, loss, tokens_per_s,
+mfu, eta_s, checkpoint_step, ...). The chart's progress sidecar (files/progress.py) puts it into the
+<release>-progress ConfigMap and serves it, with every rank's state line, as Prometheus metrics.
 watchdog.py repeats STATES, CHECKPOINT_STATES, STEP_MULTIPLE, the signal and the FR file suffixes;
 tests/test_train_units.py checks that the two agree.
 """
 
 import faulthandler
+import json
+import math
 import os
 import signal
 import threading
@@ -37,12 +45,19 @@ STEP_MULTIPLE = 10  # a step budget is at least this many of the rank's own rece
 DUMP_SIGNAL = signal.SIGUSR1
 FR_REQUEST = ".fr-request"  # <pid>.fr-request: the FIFO the watchdog writes to for a flight recorder dump
 FR_DUMP = ".fr.json"  # <pid>.fr.json: torch's dump (_dump_fr_trace_json), replaced atomically
-LINE_BYTES = 64  # a step's line, padded: beat() rewrites it in place (one pwrite, ~1 us; a replace is ~0.3 ms)
+LINE_BYTES = 80  # a step's line, padded: beat() rewrites it in place (one pwrite, ~1 us; a replace is ~0.3 ms)
+PROGRESS = "progress.json"  # rank 0's progress, for files/progress.py
+PUBLISH_EVERY_S = 2.0  # beat() refreshes PROGRESS at most this often (a replace is ~0.3 ms)
+ATTEMPT_ENV = {"attempt": "DS_ATTEMPT", "failures": "DS_FAILURES", "failure_budget": "DS_FAILURE_BUDGET",
+               "preemptions": "DS_PREEMPTIONS", "run": "DS_RUN_ID"}  # files/attempts.py's, for every rank
 
 _dump_file = None  # kept open for faulthandler, which writes to its descriptor from the signal handler
 _last_beat: tuple[int, float] | None = None  # (step, time) of the previous beat
 _step_s = 0.0  # smoothed seconds per step
 _training_fd: int | None = None  # the state file, open while its state is `training`: beat() writes into it
+_progress: dict = {}  # what rank 0 published so far
+_next_publish = 0.0  # monotonic time after which beat() publishes again
+_last_step: int | None = None  # the step of the last beat(), which publish() adds when given none
 
 
 def _path() -> Path | None:
@@ -92,7 +107,9 @@ def report(state: str, step: int | None = None) -> None:
     path = _path()
     if path is None:
         return
-    fields = [state, *([f"step={step}"] if step is not None else []), *([f"step_s={_step_s:.3f}"] if _step_s else [])]
+    fields = [state, f"rank={_rank()}", *([f"step={step}"] if step is not None else []),
+              *([f"step_s={_step_s:.3f}"] if _step_s else [])]
+    publish(state=state, step=step)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _install_stack_dump(path)
@@ -110,20 +127,51 @@ def report(state: str, step: int | None = None) -> None:
 
 def beat(step: int) -> None:
     """One line per step for any program: this rank finished `step` (state `training`, fresh heartbeat)."""
-    global _last_beat, _step_s
+    global _last_beat, _step_s, _last_step
     now = time.monotonic()
+    _last_step = step
     if _last_beat is not None and step > _last_beat[0]:
         per_step = (now - _last_beat[1]) / (step - _last_beat[0])
         _step_s = per_step if not _step_s else 0.8 * _step_s + 0.2 * per_step
     if _training_fd is None:
         report("training", step)  # a state change: replaced atomically, so kill-ranks never reads half a word
     else:
-        line = f"training step={step} step_s={_step_s:.3f}".ljust(LINE_BYTES - 1) + "\n"
+        line = f"training rank={_rank()} step={step} step_s={_step_s:.3f}".ljust(LINE_BYTES - 1) + "\n"
         try:
             os.pwrite(_training_fd, line.encode(), 0)  # same state word, new step: the mtime is the heartbeat
         except OSError:
             pass
+        if now >= _next_publish:
+            publish(state="training", step=step)
     _last_beat = (step, now)
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def publish(**fields) -> None:
+    """Rank 0: merges `fields` (None leaves a field as it was) into PROGRESS, with the step time and the attempt
+    counter, and replaces the file; other ranks, or no DS_RANK_STATE_DIR: nothing. Errors are ignored."""
+    global _next_publish
+    directory = os.environ.get("DS_RANK_STATE_DIR")
+    if not directory or _rank() != "0":
+        return
+    _next_publish = time.monotonic() + PUBLISH_EVERY_S
+    if fields.get("step") is None:
+        fields["step"] = _last_step
+    _progress.update({key: value if not isinstance(value, float) or math.isfinite(value) else str(value)
+                      for key, value in fields.items() if value is not None})  # a NaN loss says "nan"
+    _progress.update({key: os.environ[env] for key, env in ATTEMPT_ENV.items() if env in os.environ})
+    _progress.update(step_s=round(_step_s, 6), time=time.time())
+    path = Path(directory) / PROGRESS
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(_progress, default=str))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def clear() -> None:
