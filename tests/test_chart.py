@@ -43,7 +43,9 @@ def test_ci_values_render_the_job(helm, values_file):
     assert {"Service", "Job", "ConfigMap"} <= kinds and ("StatefulSet" in kinds) == ssh
     assert ("Secret" in kinds) == (ssh and "existingSecret" not in values.get("ssh", {}))
     assert ("NetworkPolicy" in kinds) == values.get("networkPolicy", {}).get("enabled", True)
-    assert ("Role" in kinds) == (ssh and values.get("launcher", {}).get("scaleDownWorkers", True))
+    # Roles: the launcher's (scaling its workers down) and the progress sidecars' (never bound to `default`).
+    bound = values.get("serviceAccount", {}).get("create", True) or values["serviceAccount"].get("name")
+    assert ("Role" in kinds) == bool((ssh and values.get("launcher", {}).get("scaleDownWorkers", True)) or bound)
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=[f.name for f in CI_VALUES])
@@ -176,10 +178,11 @@ def test_only_the_launcher_gets_a_token_and_only_to_scale_workers():
     assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
     assert sts["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
-    role = one(docs, "Role")
+    role = one(docs, "Role", "-scale-workers")
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
                               "resourceNames": [sts["metadata"]["name"]], "verbs": ["patch"]}]
-    assert one(docs, "RoleBinding")["subjects"][0]["name"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert one(docs, "RoleBinding", "-scale-workers")["subjects"][0]["name"] == \
+        one(docs, "ServiceAccount")["metadata"]["name"]
     assert env_of(job)["DS_SCALE_DOWN_WORKERS"] == "true"
 
 
@@ -187,8 +190,83 @@ def test_keeping_workers_up_drops_the_token_and_the_role():
     docs = render_chart({"launcher": {"scaleDownWorkers": False}})
     _, job = workloads(docs)
     assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
-    assert by_kind(docs, "Role") == [] and by_kind(docs, "RoleBinding") == []
+    assert [r["metadata"]["name"] for r in by_kind(docs, "Role") + by_kind(docs, "RoleBinding")] == \
+        ["job-deepspeed-training-progress"] * 2  # the progress sidecars' only
     assert env_of(job)["DS_SCALE_DOWN_WORKERS"] == "false"
+
+
+def token_mounts(pod_spec: dict) -> dict[str, list[str]]:
+    """Container name -> the volumes it mounts at the service-account token path."""
+    return {c["name"]: [m["name"] for m in c.get("volumeMounts", [])
+                        if m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"]
+            for c in pod_spec.get("initContainers", []) + pod_spec["containers"]}
+
+
+@pytest.mark.parametrize("mode", ["ssh", "nossh"])
+def test_the_progress_role_patches_one_configmap_and_only_the_sidecar_holds_its_token(mode):
+    docs = render_chart({"launchMode": mode, "launcher": {"scaleDownWorkers": False}})
+    role = one(docs, "Role", "-progress")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
+                              "resourceNames": ["job-deepspeed-training-progress"], "verbs": ["get", "patch"]}]
+    binding = one(docs, "RoleBinding", "-progress")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "job-deepspeed-training", "namespace": "default"}]
+    assert "data" not in one(docs, "ConfigMap", "-progress")  # the sidecars' own: Helm never claims it
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Job")]
+    assert len(pods) == (2 if mode == "ssh" else 1)
+    for pod in pods:
+        assert pod["automountServiceAccountToken"] is False
+        main = "worker" if pod["containers"][0]["name"] == "worker" else "launcher"
+        assert token_mounts(pod) == {"progress": ["progress-token"], main: []}
+        sidecar = pod["initContainers"][0]
+        assert sidecar["restartPolicy"] == "Always"  # a native sidecar: the Job's pod ends with its main container
+        assert sidecar["command"][2:] == ["--configmap", "job-deepspeed-training-progress", "--metrics-port", "9400"]
+        assert sidecar["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+        assert sidecar["securityContext"] == pod["containers"][0]["securityContext"]
+        assert {"name": "tmp", "mountPath": "/tmp", "readOnly": True} in sidecar["volumeMounts"]
+        token = next(v for v in pod["volumes"] if v["name"] == "progress-token")["projected"]["sources"]
+        assert token[0] == {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}}
+
+
+def test_the_launcher_sidecar_uses_the_token_the_launcher_pod_mounts_to_scale_workers():
+    _, job = workloads(render_chart())
+    pod = job["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert token_mounts(pod) == {"progress": [], "launcher": []}  # the API server mounts one into each
+    assert "progress-token" not in [v["name"] for v in pod["volumes"]]
+
+
+def test_progress_is_never_bound_to_the_default_account_and_can_be_switched_off():
+    docs = render_chart({"serviceAccount": {"create": False}, "launcher": {"scaleDownWorkers": False}})
+    assert by_kind(docs, "Role") == [] and by_kind(docs, "RoleBinding") == []
+    for pod in (w["spec"]["template"]["spec"] for w in workloads(docs)):
+        assert "--configmap" not in pod["initContainers"][0]["command"]  # metrics only
+        assert all(m == [] for m in token_mounts(pod).values())
+    docs = render_chart({"progress": {"enabled": False}})
+    assert [d for d in docs if d["metadata"]["name"].endswith("-progress")] == []
+    assert all("initContainers" not in w["spec"]["template"]["spec"] for w in workloads(docs))
+
+
+def test_the_pod_monitor_needs_the_value_and_the_api_and_the_metrics_port_opens_only_to_named_peers():
+    api = "monitoring.coreos.com/v1/PodMonitor"
+    assert by_kind(render_chart({"progress": {"podMonitor": True}}), "PodMonitor") == []
+    assert by_kind(render_chart(api_versions=[api]), "PodMonitor") == []
+    monitor = one(render_chart({"progress": {"podMonitor": True}}, api_versions=[api]), "PodMonitor")
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "job"
+    release = {"app.kubernetes.io/name": "deepspeed-training", "app.kubernetes.io/instance": "job"}
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    policy = one(render_chart({"progress": {"metricsFrom": scrapers}}), "NetworkPolicy")
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]},
+                                         {"from": scrapers, "ports": [{"port": "metrics", "protocol": "TCP"}]}]
+
+
+@pytest.mark.parametrize("peer", [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {}, {"podSelector": {}},
+                                  {"namespaceSelector": {"matchExpressions": []}}])
+def test_metrics_scrapers_are_label_selectors_only(peer):
+    with pytest.raises(HelmError) as err:
+        render_chart({"progress": {"metricsFrom": [peer]}})
+    assert "progress/metricsFrom/0" in err.value.stderr
 
 
 def test_network_policy_admits_only_pods_of_the_release():
@@ -288,7 +366,7 @@ def test_scale_permission_never_goes_to_the_default_service_account():
         render_chart({"serviceAccount": {"create": False}})
     assert "needs serviceAccount.name" in err.value.stderr
     docs = render_chart({"serviceAccount": {"create": False, "name": "trainer"}})
-    assert one(docs, "RoleBinding")["subjects"][0]["name"] == "trainer"
+    assert one(docs, "RoleBinding", "-scale-workers")["subjects"][0]["name"] == "trainer"
 
 
 def test_shm_is_memory_backed_with_the_configured_size():

@@ -16,10 +16,11 @@ def workers_job(docs: list[dict]) -> dict:
 def test_nossh_renders_no_ssh_no_launcher_no_token():
     docs = render_chart(NOSSH)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Service", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Role", "RoleBinding",
+                     "Service", "ServiceAccount"]  # Role: the progress sidecar's (tests/test_chart.py)
     scripts = one(docs, "ConfigMap", "-scripts")
     assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "watchdog.py", "attempts.py",
-                                    "nossh-worker.sh", "gang-barrier.py"}
+                                    "progress.py", "nossh-worker.sh", "gang-barrier.py"}
     text = str([d for d in docs if d is not scripts])
     assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
     assert [p["port"] for p in one(docs, "Service")["spec"]["ports"]] == [29500]
@@ -44,7 +45,8 @@ def test_nossh_pods_pass_the_restricted_profile_with_no_opt_in():
     assert ctx == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
                    "readOnlyRootFilesystem": True}
     assert "deepspeed-training/security-relaxations" not in job["spec"]["template"]["metadata"]["annotations"]
-    assert all(set(v) & {"configMap", "emptyDir", "persistentVolumeClaim"} for v in pod["volumes"])
+    assert all(set(v) & {"configMap", "emptyDir", "persistentVolumeClaim"} or v["name"] == "progress-token"
+               for v in pod["volumes"])
     assert one(docs, "NetworkPolicy")
 
 

@@ -149,8 +149,9 @@ def install(namespace: str, steps: int, action: str = "install", **values) -> No
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(layer, f)
         f.flush()
-        subprocess.run([HELM, action, RELEASE, str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
-                        "-f", f.name], check=True, capture_output=True, text=True)
+        proc = subprocess.run([HELM, action, RELEASE, str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
+                               "-f", f.name], capture_output=True, text=True)
+        assert proc.returncode == 0, f"helm {action}: {proc.stderr}"
 
 
 def stop_endless_job(namespace: str) -> None:
@@ -162,6 +163,46 @@ def stop_endless_job(namespace: str) -> None:
 
 def latest_checkpoint(namespace: str) -> str:
     return worker_exec(namespace, 0, "cat", "/checkpoints/latest", check=False).strip()
+
+
+def progress_data(namespace: str) -> dict:
+    return get("configmap", f"{RELEASE}-deepspeed-training-progress", namespace).get("data") or {}
+
+
+def logged_steps(namespace: str) -> list[int]:
+    logs = kubectl("logs", f"job/{LAUNCHER}", namespace=namespace, check=False)
+    return [int(s) for s in re.findall(r"INFO step (\d+)/", logs)]
+
+
+def check_progress_while_training(namespace: str) -> None:
+    """The progress ConfigMap follows the rank-0 log within 10 s of a logged step; the sidecar's token can get and
+    patch that one ConfigMap and nothing else; worker 0's sidecar serves the metrics."""
+    logged = wait_for(lambda: (steps := logged_steps(namespace)) and (steps[-1], time.monotonic()), 60,
+                      "a logged step", lambda: diagnose(namespace))
+    shown = wait_for(lambda: int((data := progress_data(namespace)).get("step", "0")) >= logged[0]
+                     and (time.monotonic(), data), 30, f"the progress ConfigMap to reach step {logged[0]}",
+                     lambda: f"{progress_data(namespace)}\n{diagnose(namespace)}")
+    assert shown[0] - logged[1] < 10, (shown[0] - logged[1], shown[1])
+    assert re.fullmatch(r"(training|saving) \| step \d+/100000 \(\d+\.\d%\) \| loss \d+\.\d{4} \| [\d,]+ tokens/s "
+                        r"\| eta \d+:\d\d:\d\d \| .*attempt 1 \(0 of 2 failures used, 0 preemptions\)",
+                        shown[1]["summary"]), shown[1]
+    account = f"system:serviceaccount:{namespace}:{RELEASE}-deepspeed-training"
+    for verb, resource, allowed in (("patch", f"configmap/{RELEASE}-deepspeed-training-progress", "yes"),
+                                    ("get", f"configmap/{RELEASE}-deepspeed-training-progress", "yes"),
+                                    ("patch", f"configmap/{RELEASE}-deepspeed-training-config", "no"),
+                                    ("list", "configmaps", "no"), ("patch", f"job/{LAUNCHER}", "no"),
+                                    ("create", "pods", "no")):
+        answer = kubectl("auth", "can-i", verb, resource, f"--as={account}", namespace=namespace, check=False)
+        assert answer.strip() == allowed, (verb, resource, answer)
+    metrics = kubectl("exec", f"{WORKERS}-0", "-c", "progress", "--", "python3", "-c",
+                      "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9400/metrics')"
+                      ".read().decode())", namespace=namespace)
+    for name in ("deepspeed_training_step{", "deepspeed_training_loss{", "deepspeed_training_tokens_per_second{",
+                 'deepspeed_training_rank_step{rank="1"', "deepspeed_training_attempt{"):
+        assert name in metrics, metrics
+    print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
+          f"{shown[1]['summary']}\n/metrics of worker 0, training:\n"
+          + "\n".join(line for line in metrics.splitlines() if not line.startswith("#")))
 
 
 def test_install_trains_to_completion_with_restricted_pods_and_scales_down(namespace):
@@ -187,6 +228,14 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     assert launcher_pod["automountServiceAccountToken"] is True  # the only token: the scale-down's
     wait_for(lambda: get("statefulset", WORKERS, namespace)["spec"]["replicas"] == 0, 60,
              "the launcher to scale the workers to 0")
+    # The progress ConfigMap's last word, from the sidecars of rank 0's pod and of the launcher (the ledger).
+    final = wait_for(lambda: (data := progress_data(namespace)).get("state") == "done" and data, 30,
+                     "the progress ConfigMap to say done", lambda: str(progress_data(namespace)))
+    assert re.fullmatch(r"done \| step 60/60 \(100\.0%\) \| loss \d+\.\d{4} \| [\d,]+ tokens/s \| eta 0:00:00 \| "
+                        r"checkpoint at step 60 \| attempt 1 \(0 of 2 failures used, 0 preemptions\)",
+                        final["summary"]), final
+    print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
+          f"{final['summary']}")
 
 
 def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_the_pod(namespace, shared_claim):
@@ -248,6 +297,7 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
             launcher={"scaleDownWorkers": False}, job={"backoffLimit": 2})
     wait_for(lambda: "INFO step 20/" in kubectl("logs", f"job/{LAUNCHER}", namespace=namespace, check=False), 300,
              "training to reach step 20", lambda: diagnose(namespace))
+    check_progress_while_training(namespace)
     first = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
                                namespace=namespace))["items"][0]["metadata"]["name"]
     kubectl("delete", "pod", first, "--wait=true", namespace=namespace, timeout=240)
@@ -258,6 +308,8 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
     assert f"resumed from /checkpoints/{saved} at step {int(saved.removeprefix('step_'))}" in retry_log
     # A deletion is a stop, not a failure: the next pod's attempt spent nothing of the job's budget.
     assert "attempt 2 (0 of 2 failures used, 1 preemption)" in retry_log, retry_log[-4000:]
+    wait_for(lambda: "attempt 2 (0 of 2 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
+             30, "the progress ConfigMap to show attempt 2", lambda: str(progress_data(namespace)))
     stop_endless_job(namespace)
 
 
@@ -276,7 +328,8 @@ def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_pla
     assert job["spec"]["completionMode"] == "Indexed"
     ours = kubectl("get", "secrets,statefulsets,roles", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name",
                    namespace=namespace)
-    assert not ours.strip(), ours  # no SSH Secret, no StatefulSet, no scale Role
+    # No SSH Secret, no StatefulSet, no scale Role: the progress sidecar's Role only.
+    assert ours.split() == [f"role.rbac.authorization.k8s.io/{RELEASE}-deepspeed-training-progress"], ours
 
     def checkpoint_20():
         pod = nossh_pod(namespace, 0)

@@ -11,6 +11,9 @@ An attempt with a stopped-* file is a preemption, one with outcome 0 a success, 
 run, or an owner that died before writing the outcome: a lost node). Only failures spend the budget
 (DS_RUN_RETRIES failed attempts are started again).
 
+Each of the three also says where the job stands in DS_RANK_STATE_DIR/VERDICT (JSON, replaced atomically: state,
+reason and the attempt counter), which the pod's progress sidecar (progress.py) puts into the progress ConfigMap.
+
 Usage (standard library only; the pod scripts call it, gang-barrier.py imports it):
   attempts.py begin      starts the next attempt: prints its env (KEY=VALUE lines, for every rank) on stdout and
                          "attempt N (F of B failures used, P preemptions)" on stderr, and exits 0; or says on
@@ -20,15 +23,21 @@ Usage (standard library only; the pod scripts call it, gang-barrier.py imports i
                          (which starts no attempt) the one its ranks run in, read from their environment
 """
 
+import json
 import os
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 
 BUDGET_SPENT = 3  # the chart's podFailurePolicy fails the Job on it: the budget is the job's, not the pod's
 ENV_KEYS = ("DS_RUN_ID", "DS_ATTEMPT_DIR", "DS_ATTEMPT", "DS_FAILURES", "DS_FAILURE_BUDGET", "DS_PREEMPTIONS")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")  # every value is pasted into a remote shell by DeepSpeed's pdsh runner
+VERDICT = "verdict.json"  # in DS_RANK_STATE_DIR, for progress.py
+# The attempt counter in VERDICT, named as train/rankstate.py's ATTEMPT_ENV names it in rank 0's progress.
+VERDICT_ENV = {"attempt": "DS_ATTEMPT", "failures": "DS_FAILURES", "failure_budget": "DS_FAILURE_BUDGET",
+               "preemptions": "DS_PREEMPTIONS", "run": "DS_RUN_ID"}
 
 
 def job_dir() -> Path:
@@ -94,6 +103,28 @@ def end(status: int) -> None:
     attempt = os.environ.get("DS_ATTEMPT_DIR")
     if attempt and Path(attempt).is_dir():
         Path(attempt, "outcome").write_text(f"{status}\n")
+    if status == 0:
+        say("done")
+    else:
+        say("failed", f"attempt {os.environ.get('DS_ATTEMPT', '?')} ended with status {status}")
+
+
+def say(state: str, reason: str | None = None, env: dict[str, str] | None = None) -> None:
+    """Where the job stands, for the progress sidecar; nothing without DS_RANK_STATE_DIR. Errors are ignored."""
+    directory = os.environ.get("DS_RANK_STATE_DIR")
+    if not directory:
+        return
+    env = env or os.environ
+    verdict = {"state": state, **({"reason": reason} if reason else {}), "time": time.time(),
+               **{key: env[name] for key, name in VERDICT_ENV.items() if name in env}}
+    try:
+        path = Path(directory, VERDICT)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(verdict))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _ranks_attempts() -> set[str]:
@@ -133,8 +164,10 @@ def main(argv: list[str]) -> int:
         env, line = begin()
         if env is None:
             print(line, file=sys.stderr)
+            say("failed", line)
             return BUDGET_SPENT
         print(f"attempts: {line}", file=sys.stderr)
+        say("starting", env=env)
         for key in ENV_KEYS:
             print(f"{key}={env[key]}")
         return 0
@@ -142,6 +175,7 @@ def main(argv: list[str]) -> int:
         end(int(argv[1]))
         return 0
     if argv == ["stopped"]:
+        say("stopping", "stopped by SIGTERM (a preemption: not counted against the failure budget)")
         for path in stopped():
             print(f"attempts: {path}: stopped by SIGTERM (a preemption: not counted against the failure budget)")
         return 0

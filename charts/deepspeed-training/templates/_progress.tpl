@@ -1,0 +1,93 @@
+{{/*
+The progress sidecar (files/progress.py), in every pod of the release when progress.enabled: a native sidecar
+(an init container that keeps running), so that a Job's pod still ends with its main container. It runs no
+program code and is the only container that gets the progress token (the Role in progress.yaml: get and patch
+of one ConfigMap), from a projected volume of its own: the pods keep automountServiceAccountToken false.
+Where the pod mounts the account's token anyway (the launcher, when it scales the workers down), the sidecar
+uses that one. Called with (dict "root" $ "automounted" BOOL).
+*/}}
+{{- define "deepspeed-training.progressName" -}}
+{{- printf "%s-progress" (include "deepspeed-training.fullname" .) }}
+{{- end }}
+
+{{/* "true" when the sidecar may patch the ConfigMap: never through the namespace's `default` account, whose
+binding would let every pod of the namespace that runs as it patch this release's progress. */}}
+{{- define "deepspeed-training.progressPublishes" -}}
+{{- if and .Values.progress.enabled (ne (include "deepspeed-training.serviceAccountName" .) "default") }}true{{- end }}
+{{- end }}
+
+{{- define "deepspeed-training.progressSidecar" -}}
+{{- $root := .root }}
+{{- with $root.Values.progress }}
+{{- if .enabled }}
+initContainers:
+  - name: progress
+    image: {{ include "deepspeed-training.image" $root | quote }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
+    restartPolicy: Always
+    command: ["python3", "{{ include "deepspeed-training.scriptsDir" $root }}/progress.py",
+              {{- if include "deepspeed-training.progressPublishes" $root }}
+              "--configmap", {{ include "deepspeed-training.progressName" $root | quote }},
+              {{- end }}
+              "--metrics-port", {{ .metricsPort | int | quote }}]
+    ports:
+      - name: metrics
+        containerPort: {{ .metricsPort | int }}
+        protocol: TCP
+    env:
+      - name: DS_RANK_STATE_DIR
+        value: {{ include "deepspeed-training.rankStateDir" $root | quote }}
+      - name: DS_RELEASE
+        value: {{ include "deepspeed-training.checkpointSubPath" $root | quote }}
+      - name: POD_NAMESPACE
+        valueFrom:
+          fieldRef:
+            fieldPath: metadata.namespace
+      - name: PYTHONUNBUFFERED
+        value: "1"
+    {{- with .resources }}
+    resources:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with $root.Values.securityContext }}
+    securityContext:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    volumeMounts:
+      - name: scripts
+        mountPath: {{ include "deepspeed-training.scriptsDir" $root | quote }}
+        readOnly: true
+      # The pod's /tmp, where the ranks, the watchdog and the ledger write what this container reads.
+      - name: tmp
+        mountPath: /tmp
+        readOnly: true
+      {{- if and (include "deepspeed-training.progressPublishes" $root) (not $.automounted) }}
+      - name: progress-token
+        mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+        readOnly: true
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "deepspeed-training.progressTokenVolume" -}}
+{{- if and (include "deepspeed-training.progressPublishes" .root) (not .automounted) }}
+- name: progress-token
+  projected:
+    defaultMode: 0440
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3600
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                fieldPath: metadata.namespace
+{{- end }}
+{{- end }}

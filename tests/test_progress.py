@@ -1,0 +1,148 @@
+"""The progress sidecar (charts/deepspeed-training/files/progress.py), run as the pod runs it, on the files that
+the real writers leave: train/rankstate.py (rank 0's progress, every rank's state line), attempts.py (the
+ledger's verdict) and the watchdog's hang report. Its patches of the ConfigMap run on a real API server in the
+cluster tier (tests/cluster/test_cluster.py)."""
+
+import json
+import os
+import re
+import runpy
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import wait_for
+from tests.helm_template import ROOT
+
+FILES = ROOT / "charts" / "deepspeed-training" / "files"
+sys.path.insert(0, str(FILES))
+import attempts  # noqa: E402 - the pod script itself
+import progress  # noqa: E402
+
+
+def test_the_sidecar_reads_the_contract_the_ranks_and_the_ledger_write():
+    from train import rankstate
+    assert progress.PROGRESS == rankstate.PROGRESS and progress.VERDICT == attempts.VERDICT
+    assert attempts.VERDICT_ENV == rankstate.ATTEMPT_ENV
+    assert runpy.run_path(str(FILES / "progress.py"))["PROGRESS"] == rankstate.PROGRESS  # as the pod runs it
+
+
+RANKS = """
+import sys
+from train import rankstate
+rank, steps = sys.argv[1], int(sys.argv[2])
+rankstate.report("starting")
+for step in range(1, steps + 1):
+    rankstate.beat(step)
+rankstate.publish(steps=100, loss=0.5 if rank == "0" else 9.9, tokens_per_s=1234.5, eta_s=61, lr=3e-4,
+                  checkpoint_step=steps - 1)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return response.read().decode()
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    directory = tmp_path / "ranks"
+    directory.mkdir()
+    return directory
+
+
+def start_sidecar(state_dir: Path, port: int, *args: str) -> subprocess.Popen:
+    env = {"PATH": os.environ["PATH"], "DS_RANK_STATE_DIR": str(state_dir), "DS_RELEASE": "team-a-run",
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(FILES / "progress.py"), "--metrics-port", str(port), *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_metrics_show_rank_0s_progress_every_ranks_step_and_the_attempt(state_dir):
+    env = {**os.environ, "DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPT": "3", "DS_FAILURES": "1",
+           "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": "1", "DS_RUN_ID": "run-0003-abcd"}
+    for rank, steps in (("0", 7), ("1", 6)):
+        # The state files are named by pid and the ranks' processes are gone: keep them as a live rank's would be.
+        subprocess.run([sys.executable, "-c", RANKS, rank, str(steps)], env={**env, "RANK": rank}, cwd=ROOT,
+                       check=True)
+    port = free_port()
+    sidecar = start_sidecar(state_dir, port, "--configmap", "job-progress")
+    try:
+        wait_for(lambda: 'rank="1"' in scrape(port), 30, "the metrics")
+        text = scrape(port)
+    finally:
+        sidecar.terminate()
+        out = sidecar.communicate(timeout=30)[0]
+    assert sidecar.returncode == 0, out
+    # No token here: it says so once and serves the metrics anyway.
+    assert re.search(r"not publishing to ConfigMap job-progress: \w+", out), out
+    release = 'release="team-a-run"'
+    for line in (f"deepspeed_training_step{{{release}}} 7.0", f"deepspeed_training_steps{{{release}}} 100.0",
+                 f"deepspeed_training_loss{{{release}}} 0.5", f"deepspeed_training_tokens_per_second{{{release}}} "
+                 "1234.5", f"deepspeed_training_eta_seconds{{{release}}} 61.0",
+                 f"deepspeed_training_checkpoint_step{{{release}}} 6.0", f"deepspeed_training_attempt{{{release}}} 3.0",
+                 f"deepspeed_training_failures{{{release}}} 1.0", f"deepspeed_training_preemptions{{{release}}} 1.0",
+                 f'deepspeed_training_state{{{release},state="training"}} 1.0',
+                 f'deepspeed_training_rank_step{{rank="0",{release}}} 7.0',
+                 f'deepspeed_training_rank_step{{rank="1",{release}}} 6.0'):
+        assert line in text, (line, text)
+    assert re.search(r'deepspeed_training_rank_heartbeat_age_seconds\{rank="1",release="team-a-run"} \d', text)
+
+
+def test_the_configmap_data_says_where_the_job_stands_and_a_failure_keeps_its_hang_report(state_dir, monkeypatch):
+    pod = progress.Pod(state_dir)
+    monkeypatch.setenv("DS_RANK_STATE_DIR", str(state_dir))
+    # The ledger's owner starts attempt 2, rank 0 reports, the watchdog reports a hang, the attempt fails.
+    attempts.say("starting", env={"DS_ATTEMPT": "2", "DS_FAILURES": "1", "DS_FAILURE_BUDGET": "2",
+                                  "DS_PREEMPTIONS": "0", "DS_RUN_ID": "run-0002-abcd"})
+    (state_dir / progress.PROGRESS).write_text(json.dumps(
+        {"state": "training", "step": 120, "steps": 300, "loss": 0.40641, "tokens_per_s": 6100.4, "mfu": 0.412,
+         "eta_s": 18.2, "checkpoint_step": 100, "attempt": "2", "failures": "1", "failure_budget": "2",
+         "preemptions": "0", "run": "run-0002-abcd"}))
+    data: dict[str, str] = {}
+    for _, fields in pod.changes():
+        data = progress.merge(data, fields)
+    assert data["summary"] == ("training | step 120/300 (40.0%) | loss 0.4064 | 6,100 tokens/s | mfu 41.2% | "
+                               "eta 0:00:18 | checkpoint at step 100 | attempt 2 (1 of 2 failures used, 0 preemptions)")
+    assert pod.changes() == []  # nothing new
+    (state_dir / "hang-run-0002-abcd.txt").write_text("hang on w-1 (run-0002-abcd): rank 1 made no progress\nmore\n")
+    monkeypatch.setenv("DS_ATTEMPT", "2")
+    monkeypatch.setenv("DS_RUN_ID", "run-0002-abcd")
+    attempts.end(1)
+    for _, fields in pod.changes():
+        data = progress.merge(data, fields)
+    assert data["state"] == "failed" and data["reason"] == "hang on w-1 (run-0002-abcd): rank 1 made no progress"
+    # A failure of its own says what ended, and the next attempt keeps the reason until rank 0 reports.
+    data = progress.merge(data, {"state": "failed", "reason": "attempt 3 ended with status 1", "run": "run-3"})
+    assert data["reason"] == "attempt 3 ended with status 1" and data["summary"].endswith(data["reason"])
+    monkeypatch.setenv("DS_ATTEMPT", "3")
+    monkeypatch.setenv("DS_RUN_ID", "run-0003-abcd")
+    attempts.end(0)
+    for _, fields in pod.changes():
+        data = progress.merge(data, fields)
+    assert data["state"] == "done"
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "not json", '{"step": "1e999", "loss": "x" }', '{"state": 7}',
+                                     '{"step": true, "steps": 0, "eta_s": -5, "mfu": null, "reason": ["a"]}',
+                                     json.dumps({"state": "s" * 10_000, "reason": "r" * 10_000})])
+def test_a_programs_odd_progress_file_never_takes_the_sidecar_down(state_dir, content):
+    (state_dir / progress.PROGRESS).write_text(content)
+    data = {}
+    for _, fields in progress.Pod(state_dir).changes():
+        data = progress.merge(data, fields)
+    assert all(isinstance(v, str) and len(v) < 1200 for k, v in data.items() if k != "summary")
+    assert "percent" not in data and "eta" not in data
