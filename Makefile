@@ -98,6 +98,12 @@ undeploy: ## helm uninstall the release (the SSH key Secret is kept for a later 
 	$(require-project)
 	$(DEPLOYCTL) undeploy
 
+.PHONY: status
+status: ## Where the release's run stands: its progress ConfigMap (step, loss, ETA, attempt, state and reason).
+	$(require-env)
+	$(require-project)
+	$(DEPLOYCTL) status
+
 .PHONY: demo
 demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.
 	$(check-project)

@@ -771,6 +771,35 @@ def demo(r: Rendered, manifests: str) -> int:
     return code
 
 
+def status(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> int:
+    """Where the release's run stands: its progress ConfigMap (the chart's progress sidecars keep it), read with
+    the kubernetes client."""
+    names = [doc["metadata"]["name"] for doc in yaml.safe_load_all(manifests)
+             if doc and doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-progress")]
+    if not names:
+        raise DeployError(f"release {release_name(r)} renders no progress ConfigMap (progress.enabled is false)")
+    namespace = r.settings["deploy"]["namespace"]
+    print("+ " + shlex.join(["kubectl", *(["--context", context] if context else []), "--namespace", namespace,
+                             "get", "configmap", names[0], "-o", "jsonpath={.data.summary}"]), flush=True)
+    if dry_run:
+        return 0
+    from kubernetes import client, config  # noqa: PLC0415 - only for a cluster command
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+    try:
+        config.load_kube_config(context=context)
+        data = client.CoreV1Api().read_namespaced_config_map(names[0], namespace).data or {}
+    except ApiException as err:
+        raise DeployError(f"{namespace}/{names[0]}: {err.status} {err.reason} (is release {release_name(r)} "
+                          "installed?)") from None
+    except Exception as err:  # no kubeconfig, no cluster: one line
+        raise DeployError(f"cannot read {namespace}/{names[0]}: {type(err).__name__}: {err}") from None
+    print(data.get("summary", "(no summary yet)"))
+    for key in sorted(k for k in data if k != "summary"):
+        print(f"  {key:<16} {data[key]}")
+    return 0
+
+
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -784,7 +813,8 @@ def name_arg(value: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deployctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["render", "plan", "template", "deploy", "diff", "undeploy", "demo"])
+    parser.add_argument("command", choices=["render", "plan", "template", "deploy", "diff", "undeploy", "demo",
+                                            "status"])
     parser.add_argument("--env", required=True, type=name_arg, help="values/<env>.yaml")
     parser.add_argument("--project", default=None, type=name_arg, help="values/projects/<project>/")
     parser.add_argument("--kube-context", default=None, help="must be one of deploy.kubeContexts when that is set")
@@ -806,8 +836,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "template":
             sys.stdout.write(manifests)
             return 0
-        cluster_cmd = args.command in ("deploy", "diff", "undeploy")
+        cluster_cmd = args.command in ("deploy", "diff", "undeploy", "status")
         context = kube_context(r, args.kube_context, need_cluster=cluster_cmd and not args.dry_run)
+        if args.command == "status":
+            return status(r, context, args.dry_run, manifests)
         print(plan(r, context, manifests), flush=True)
         if args.command == "plan":
             return 0

@@ -214,3 +214,16 @@ def test_a_hostile_env_value_is_refused_by_the_chart_before_deploy(tree, capsys)
     code, out, err = run("deploy", "--env", "dev", "--dry-run", capsys=capsys)
     assert code == 1
     assert "env[0] (X): value" in err and "helm upgrade" not in out
+
+
+def test_status_reads_the_release_progress_configmap_or_says_in_one_line_why_not(tree, capsys, tmp_path,
+                                                                                  monkeypatch):
+    code, out, _ = run("status", "--env", "dev", "--project", "example", "--dry-run", capsys=capsys)
+    assert code == 0
+    assert "+ kubectl --namespace ml-dev get configmap example-deepspeed-training-progress -o " \
+           "'jsonpath={.data.summary}'" in out
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))  # no cluster: one line, no traceback
+    code, _, err = run("status", "--env", "dev", "--project", "example", "--kube-context", "kind-dev",
+                       capsys=capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("error: cannot read ml-dev/example-deepspeed-training-progress: ConfigException:"), err
