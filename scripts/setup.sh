@@ -6,9 +6,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 log() { echo "setup: $*"; }
 
-# 1. Debian packages: sshd/ssh/pdsh for the launcher path, iproute2/util-linux for the e2e hosts.
+# 1. Debian packages: sshd/ssh/pdsh for the launcher path, iproute2/util-linux for the e2e hosts, prometheus for
+# the dashboard's queries (tests/test_progress.py).
 declare -A pkg_for=([sshd]=openssh-server [ssh]=openssh-client [pdsh]=pdsh [ip]=iproute2 [unshare]=util-linux
-  [shellcheck]=shellcheck [unzip]=unzip [npm]=npm [g++]=g++)
+  [shellcheck]=shellcheck [unzip]=unzip [npm]=npm [g++]=g++ [prometheus]=prometheus)
 missing=()
 for cmd in "${!pkg_for[@]}"; do
   command -v "$cmd" > /dev/null || [[ -x "/usr/sbin/$cmd" ]] || missing+=("${pkg_for[$cmd]}")

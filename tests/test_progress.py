@@ -7,9 +7,11 @@ import json
 import os
 import re
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -146,3 +148,51 @@ def test_a_programs_odd_progress_file_never_takes_the_sidecar_down(state_dir, co
         data = progress.merge(data, fields)
     assert all(isinstance(v, str) and len(v) < 1200 for k, v in data.items() if k != "summary")
     assert "percent" not in data and "eta" not in data
+
+
+DASHBOARD = ROOT / "charts" / "deepspeed-training" / "dashboards" / "deepspeed-training.json"
+PROMETHEUS = shutil.which("prometheus")
+
+
+def prometheus_query(port: int, expr: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            answer = json.loads(response.read())
+    except OSError:
+        return []
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary: `make setup` installs Debian's")
+def test_a_real_prometheus_scrapes_the_sidecar_and_every_dashboard_query_returns_a_series(state_dir, tmp_path):
+    env = {**os.environ, "DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPT": "1", "DS_FAILURES": "0",
+           "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": "0", "DS_RUN_ID": "run-0001-abcd"}
+    for rank, steps in (("0", 7), ("1", 6)):
+        subprocess.run([sys.executable, "-c", RANKS + "rankstate.publish(mfu=0.41, checkpoint_save_s=0.8)\n", rank,
+                        str(steps)], env={**env, "RANK": rank}, cwd=ROOT, check=True)
+    metrics_port, prometheus_port = free_port(), free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": "deepspeed", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}]}))
+    sidecar = start_sidecar(state_dir, metrics_port)
+    server = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                               f"--web.listen-address=127.0.0.1:{prometheus_port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: prometheus_query(prometheus_port, 'deepspeed_training_rank_step{rank="1"}'), 60,
+                 "prometheus to scrape the sidecar")
+        dashboard = json.loads(DASHBOARD.read_text())
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+        assert len(exprs) >= 12
+        for expr in exprs:
+            series = prometheus_query(prometheus_port, expr.replace("$release", "team-a-run"))
+            assert series and all(s["metric"].get("release") == "team-a-run" for s in series), expr
+        variable = dashboard["templating"]["list"][1]["query"]["query"]
+        assert variable == "label_values(deepspeed_training_step, release)"
+    finally:
+        server.terminate()
+        sidecar.terminate()
+        server.communicate(timeout=30)
+        sidecar.communicate(timeout=30)
