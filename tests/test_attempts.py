@@ -2,6 +2,7 @@
 pod scripts run it, and the chart's side of its contract. The e2e tier drives it through real pods
 (tests/e2e/test_e2e.py: three crashes and two preemptions on one job)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -57,10 +58,13 @@ def test_preemptions_do_not_spend_the_budget_and_a_spent_budget_ends_the_job(tmp
 
 
 def test_a_stop_after_the_outcome_and_a_success_spend_nothing(tmp_path):
-    env = begin(tmp_path)
+    env = {**begin(tmp_path), "DS_RANK_STATE_DIR": str(tmp_path / "ranks")}
     run(tmp_path, "end", "0", env=env)
     assert run(tmp_path, "stopped", env=env).stdout == ""  # the run had ended: no preemption recorded
     assert attempts.tally(tmp_path / "attempts" / "job-1") == (1, 0, 0)
+    # And the progress sidecar still reads "done" (a scale-down after success sends SIGTERM).
+    verdict = json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())
+    assert verdict["state"] == "done" and verdict["attempt"] == env["DS_ATTEMPT"]
 
 
 def test_an_ssh_worker_marks_the_attempt_its_ranks_run_and_nothing_outside_the_ledger(tmp_path):

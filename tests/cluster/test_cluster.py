@@ -198,7 +198,7 @@ def check_progress_while_training(namespace: str) -> None:
                       "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9400/metrics')"
                       ".read().decode())", namespace=namespace)
     for name in ("deepspeed_training_step{", "deepspeed_training_loss{", "deepspeed_training_tokens_per_second{",
-                 'deepspeed_training_rank_step{rank="1"', "deepspeed_training_attempt{"):
+                 'deepspeed_training_rank_step{rank="0"', "deepspeed_training_attempt{"):  # its pod's rank
         assert name in metrics, metrics
     print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
           f"{shown[1]['summary']}\n/metrics of worker 0, training:\n"

@@ -175,8 +175,10 @@ def main(argv: list[str]) -> int:
         end(int(argv[1]))
         return 0
     if argv == ["stopped"]:
-        say("stopping", "stopped by SIGTERM (a preemption: not counted against the failure budget)")
-        for path in stopped():
+        marked = stopped()
+        if marked:  # not after the run's outcome (a scale-down after success stops no attempt)
+            say("stopping", "stopped by SIGTERM (a preemption: not counted against the failure budget)")
+        for path in marked:
             print(f"attempts: {path}: stopped by SIGTERM (a preemption: not counted against the failure budget)")
         return 0
     print(__doc__, file=sys.stderr)
