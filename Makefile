@@ -125,7 +125,7 @@ image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cud
 	bash scripts/image.sh build
 
 .PHONY: image-hf
-image-hf: image ## The Hugging Face layer on the image (docker/Dockerfile.hf): transformers, accelerate, datasets, tensorboard.
+image-hf: image ## The Hugging Face layer on the image (docker/Dockerfile.hf): transformers, accelerate, datasets.
 	bash scripts/image.sh build_hf
 
 .PHONY: image-push

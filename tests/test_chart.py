@@ -494,3 +494,19 @@ def test_an_image_digest_pins_the_image_by_content():
     sts, job = workloads(render_chart({"image": {"tag": "v1", "digest": digest}}))
     for workload in (sts, job):
         assert container(workload)["image"] == f"registry.example.com/ml/deepspeed-train@{digest}"
+
+
+def test_the_grafana_dashboard_configmap_is_the_charts_dashboard_file_and_off_by_default():
+    assert [d for d in render_chart() if d["metadata"]["name"].endswith("-dashboard")] == []
+    dashboard = one(render_chart({"progress": {"dashboard": True}}), "ConfigMap", "-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["deepspeed-training.json"]) == \
+        json.loads((CHART / "dashboards" / "deepspeed-training.json").read_text())
+
+
+def test_a_monitor_without_an_output_path_writes_under_the_release_checkpoints():
+    config = {"train_batch_size": 8, "tensorboard": {"enabled": True, "job_name": "run"},
+              "csv_monitor": {"enabled": True, "output_path": "/data/own"}, "wandb": {"enabled": False}}
+    rendered = json.loads(config_data(render_chart({"deepspeed": {"config": config}}))["ds_config.json"])
+    assert rendered["tensorboard"] == {"enabled": True, "job_name": "run", "output_path": "/checkpoints/monitor/"}
+    assert rendered["csv_monitor"]["output_path"] == "/data/own" and rendered["wandb"] == {"enabled": False}

@@ -31,7 +31,9 @@ def test_the_image_runs_the_chart_pods():
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "worker": {"replicas": 2, "gpusPerWorker": 1, "gpuResourceName": ""},
         "launcher": {"scaleDownWorkers": False}, "job": {"waitTimeoutSeconds": 120},
-        "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
+        # TensorBoard is in the base image; the chart puts the event files under the release's checkpoints.
+        "deepspeed": {"config": {**cpu_ds_config(stage=2, micro=4), "tensorboard": {"enabled": True,
+                                                                                    "job_name": "image"}}},
         "train": {"config": {"steps": 20, "log_every": 5, "checkpoint_every": 10,
                              "model": {"n_layer": 2, "d_model": 64, "seq_len": 32}}},
         "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
@@ -72,6 +74,7 @@ def test_the_image_runs_the_chart_pods():
         assert "[rank 0] INFO step 20/20" in log
         release_dir = claim_dir("checkpoints", "default/job")  # the subPath of release "job" in "default"
         assert checkpoint.is_complete(release_dir / "step_00000020")
+        assert list((release_dir / "monitor" / "image").glob("events.out.tfevents.*")), list(release_dir.rglob("*"))
     finally:
         for name in names:
             podman("rm", "--force", name, check=False)

@@ -387,6 +387,14 @@ already done).
 */}}
 {{- define "deepspeed-training.dsConfig" -}}
 {{- $config := deepCopy (.Values.deepspeed.config | default (.Files.Get "files/ds_config.default.json" | fromJson)) }}
+{{- /* A monitor without an output_path writes under the working directory, an emptyDir lost with the pod: its
+       files go to the release's checkpoint directory instead (tensorboard --logdir <that>/monitor). */}}
+{{- range $section := list "tensorboard" "csv_monitor" }}
+{{- $monitor := get $config $section }}
+{{- if and (kindIs "map" $monitor) $monitor.enabled (not $monitor.output_path) }}
+{{- $_ := set $config $section (merge (dict "output_path" (printf "%s/monitor/" (clean $.Values.checkpoints.mountPath))) $monitor) }}
+{{- end }}
+{{- end }}
 {{- if .Values.launcher.autotuning }}
 {{- $dir := printf "%s/autotuning" (clean .Values.checkpoints.mountPath) }}
 {{- /* The chart's keys win: the tuner deletes exps_dir at start with overwrite, so it stays in the release's
