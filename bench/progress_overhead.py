@@ -50,11 +50,10 @@ def main() -> None:
     args = parser.parse_args()
     base = {k: v for k, v in os.environ.items() if k != "DS_RANK_STATE_DIR"}
     with tempfile.TemporaryDirectory() as state_dir:
-        rows = [("beat(), no state dir (reporting off)", f"{per_beat_us({**base, 'RANK': '0'}):.2f} us/step"),
-                ("beat(), rank 1 (state line)", f"{per_beat_us({**base, 'RANK': '1', 'DS_RANK_STATE_DIR': state_dir}):.2f} "
-                                                "us/step"),
-                ("beat(), rank 0 (state line + progress.json)",
-                 f"{per_beat_us({**base, 'RANK': '0', 'DS_RANK_STATE_DIR': state_dir}):.2f} us/step")]
+        rows = [(name, f"{per_beat_us({**base, **env}):.2f} us/step") for name, env in (
+            ("beat(), no state dir (reporting off)", {"RANK": "0"}),
+            ("beat(), rank 1 (state line)", {"RANK": "1", "DS_RANK_STATE_DIR": state_dir}),
+            ("beat(), rank 0 (state line + progress.json)", {"RANK": "0", "DS_RANK_STATE_DIR": state_dir}))]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

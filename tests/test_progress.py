@@ -45,6 +45,13 @@ rankstate.publish(steps=100, loss=0.5 if rank == "0" else 9.9, tokens_per_s=1234
 """
 
 
+GOODPUT = """
+rankstate.publish(mfu=0.41, checkpoint_save_s=0.8, goodput={"productive": 50.0, "startup": 6.0, "restore": 1.0,
+                  "save": 2.0, "recomputation": 0.5, "hung": 0.0, "wall": 60.0, "unaccounted": 0.5, "attempts": 1},
+                  goodput_line="goodput 83.3% | wall 60.0s = ...")
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,8 +85,8 @@ def test_metrics_show_rank_0s_progress_every_ranks_step_and_the_attempt(state_di
            "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": "1", "DS_RUN_ID": "run-0003-abcd"}
     for rank, steps in (("0", 7), ("1", 6)):
         # The state files are named by pid and the ranks' processes are gone: keep them as a live rank's would be.
-        subprocess.run([sys.executable, "-c", RANKS, rank, str(steps)], env={**env, "RANK": rank}, cwd=ROOT,
-                       check=True)
+        subprocess.run([sys.executable, "-c", RANKS + GOODPUT, rank, str(steps)], env={**env, "RANK": rank},
+                       cwd=ROOT, check=True)
     port = free_port()
     sidecar = start_sidecar(state_dir, port, "--configmap", "job-progress")
     try:
@@ -99,7 +106,9 @@ def test_metrics_show_rank_0s_progress_every_ranks_step_and_the_attempt(state_di
                  f"deepspeed_training_failures{{{release}}} 1.0", f"deepspeed_training_preemptions{{{release}}} 1.0",
                  f'deepspeed_training_state{{{release},state="training"}} 1.0',
                  f'deepspeed_training_rank_step{{rank="0",{release}}} 7.0',
-                 f'deepspeed_training_rank_step{{rank="1",{release}}} 6.0'):
+                 f'deepspeed_training_rank_step{{rank="1",{release}}} 6.0',
+                 f'deepspeed_training_goodput_seconds{{bucket="productive",{release}}} 50.0',
+                 f'deepspeed_training_goodput_seconds{{bucket="unaccounted",{release}}} 0.5'):
         assert line in text, (line, text)
     assert re.search(r'deepspeed_training_rank_heartbeat_age_seconds\{rank="1",release="team-a-run"} \d', text)
 
@@ -170,8 +179,8 @@ def test_a_real_prometheus_scrapes_the_sidecar_and_every_dashboard_query_returns
     env = {**os.environ, "DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPT": "1", "DS_FAILURES": "0",
            "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": "0", "DS_RUN_ID": "run-0001-abcd"}
     for rank, steps in (("0", 7), ("1", 6)):
-        subprocess.run([sys.executable, "-c", RANKS + "rankstate.publish(mfu=0.41, checkpoint_save_s=0.8)\n", rank,
-                        str(steps)], env={**env, "RANK": rank}, cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-c", RANKS + GOODPUT, rank, str(steps)], env={**env, "RANK": rank},
+                       cwd=ROOT, check=True)
     metrics_port, prometheus_port = free_port(), free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
@@ -185,7 +194,7 @@ def test_a_real_prometheus_scrapes_the_sidecar_and_every_dashboard_query_returns
                  "prometheus to scrape the sidecar")
         dashboard = json.loads(DASHBOARD.read_text())
         exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-        assert len(exprs) >= 12
+        assert len(exprs) >= 14
         for expr in exprs:
             series = prometheus_query(prometheus_port, expr.replace("$release", "team-a-run"))
             assert series and all(s["metric"].get("release") == "team-a-run" for s in series), expr

@@ -222,3 +222,43 @@ def test_a_layout_counts_data_parallel_ranks_once(world, stages, data_parallel, 
 def test_a_layout_the_ranks_cannot_form_is_refused(world, stages, message):
     with pytest.raises(LayoutError, match=message):
         Layout(world, stages)
+
+
+def test_goodput_splits_every_attempt_and_leaves_odd_records_out(tmp_path, monkeypatch):
+    """Three attempts as train/main.py records them: the first crashed after step 25 (its last save at 20), the
+    second hung after step 32 (the watchdog's report came 12 s later), the third finished. A hand-edited record
+    and a truncated one are left out, never a crash at the end of a run."""
+    from train import goodput
+    job = tmp_path / "goodput" / "abcd1234"
+    job.mkdir(parents=True)
+    t0 = 1_000_000.0
+
+    def record(attempt, begun, first, restore, saves, productive, at_step, resumed, last, updated, run):
+        (job / f"{attempt:04d}.json").write_text(json.dumps(
+            {"begun": begun, "first_step": first, "restore_s": restore, "save_s": saves, "productive_s": productive,
+             "at_step": at_step, "resumed_from": resumed, "last_step": last, "updated": updated, "run": run}))
+
+    record(1, t0, t0 + 10, 0.0, 1.0, 25.0, {"10": 10.0, "20": 20.0}, 0, 24, t0 + 36, "run-0001-abcd1234")
+    (job / "0001.step").write_text("25 26.000000 1000037.000000\n")  # one step after the last flush
+    record(2, t0 + 38, t0 + 45, 1.0, 0.5, 12.0, {"30": 10.0}, 20, 32, t0 + 58.5, "run-0002-abcd1234")
+    report = tmp_path / "diagnostics" / "run-0002-abcd1234" / "w-1.txt"
+    report.parent.mkdir(parents=True)
+    report.write_text("hang on w-1 (run-0002-abcd1234): rank 1 made no progress for 11s\n")
+    os.utime(report, (t0 + 70.5, t0 + 70.5))
+    (job / "0004.json").write_text('{"begun": "yesterday"}')
+    (job / "0005.json").write_text('{"begun": 1')
+    monkeypatch.setenv("DS_RUN_ID", "run-0003-abcd1234")
+    monkeypatch.setenv("DS_ATTEMPT", "3")
+    monkeypatch.setenv("DS_ATTEMPT_BEGUN", str(t0 + 72))
+    third = goodput.Goodput(tmp_path, 30, 1.5)
+    third.step(31, t0 + 80, 1.0)
+    third.saved(31, 0.5)
+    third.record["updated"] = t0 + 81.5
+    split = third.job()
+    # Attempt 1: 26 s of steps (the last one from its .step line), 6 after the save at step 20 that attempt 2
+    # resumed from; it ended at 37. Attempt 2: 12 s, 2 after step 30; hung from its last step (58.5) to the report
+    # (70.5); 1 s of its span (45 to 58.5) is neither steps nor saves. Start-up: 10, 45 - 37 - 1, 80 - 70.5 - 1.5.
+    assert split == {"productive": 20.0 + 10.0 + 1.0, "recomputation": 6.0 + 2.0, "startup": 10.0 + 7.0 + 8.0,
+                     "restore": 0.0 + 1.0 + 1.5, "save": 1.0 + 0.5 + 0.5, "hung": 12.0, "wall": 81.5,
+                     "unaccounted": 1.0, "attempts": 3}, split
+    assert goodput.describe(split).startswith("goodput 38.0% | wall 81.5s = productive 31.0s + start-up 25.0s")

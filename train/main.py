@@ -7,6 +7,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from train import checkpoint, dsconfig, mfu, rankstate
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, make_data, samples
 from train.deepspeed_mirror import FirstCollectiveClock
+from train.goodput import Goodput
+from train.goodput import describe as goodput_line
 from train.layout import Layout, LayoutError
 from train.model import GPT, build_model, count_parameters
 from train.pipeline import PipelineGPT, stage_plan
@@ -236,7 +239,8 @@ def utilisation(cfg: TrainConfig, model, half_precision: bool) -> Utilisation:
 
 
 def write_metrics(ckpt_dir: Path, losses: list[tuple[int, float]], tokens_per_step: int, elapsed: float,
-                  checkpoint_s: float, world_size: int, peak_rss: list[float], use: Utilisation) -> None:
+                  checkpoint_s: float, world_size: int, peak_rss: list[float], use: Utilisation,
+                  goodput: dict) -> None:
     tokens_per_s = tokens_per_step * len(losses) / (elapsed - checkpoint_s)  # checkpoint time left out
     metrics = {
         "steps": losses[-1][0],
@@ -250,6 +254,7 @@ def write_metrics(ckpt_dir: Path, losses: list[tuple[int, float]], tokens_per_st
         "checkpoint_s": checkpoint_s,
         "world_size": world_size,
         "peak_rss_mib": peak_rss,
+        "goodput_s": goodput,  # the whole job, every attempt (train/goodput.py)
         "losses": losses,
     }
     checkpoint.write_atomic(ckpt_dir / "metrics.json", json.dumps(metrics, indent=1))
@@ -281,7 +286,9 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     use = utilisation(cfg, model, dtype != "fp32")
     layout = layout_of(engine, world_size, cfg)
     rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
+    restore_started = time.perf_counter()
     start_step, position = resume(engine, cfg, inputs, rank, layout)
+    goodput = Goodput(ckpt_dir if rank == 0 else None, start_step, time.perf_counter() - restore_started)
     rankstate.publish(steps=cfg.steps, checkpoint_step=start_step or None)
     rankstate.report("starting")  # the start-up budget again, until the first step
     if start_step >= cfg.steps:
@@ -298,11 +305,13 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     # other's activations from the start of a step.
     clock = FirstCollectiveClock() if stages == 1 else None
     for step in range(start_step + 1, cfg.steps + 1):
+        step_started, started = time.time(), time.perf_counter()
         if clock:
             clock.start()
         step_loss, position = train_step(engine, inputs, position)
         compute_s = clock.compute_s() if clock else 0.0
         mean_loss, stopping, compute = agree(step_loss, stop, compute_s, rank, world_size)
+        goodput.step(step, step_started, time.perf_counter() - started)
         losses.append((step, mean_loss))
         if not stopping:
             rankstate.beat(step)  # the heartbeat; from here a SIGTERM also has something to save
@@ -310,13 +319,16 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
             stragglers.step(compute)
         if engine.monitor.enabled and rank == 0:  # ds_config's tensorboard / csv_monitor / wandb sections
             engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
-        progress.step(step, mean_loss, engine.get_lr()[0], force=stopping)
+        if progress.step(step, mean_loss, engine.get_lr()[0], force=stopping) and rank == 0:
+            split = goodput.job()
+            rankstate.publish(goodput=split, goodput_line=goodput_line(split))
         saved = saver.save(step, {"step": step, "data_position": position}, last_step=step == cfg.steps,
                            stopping=stopping) if saver else None
         if saved:
             progress.pause(saved[1])
             logger.info(f"saved checkpoint {saved[0]} in {saved[1]:.1f}s")
             rankstate.publish(checkpoint_step=step, checkpoint_save_s=round(saved[1], 3))
+            goodput.saved(step, saved[1])
             if not stopping:
                 rankstate.beat(step)  # back from `saving`: the next step's budget starts now
         if stopping:
@@ -325,15 +337,20 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
             status = EXIT_SIGTERM
             break
 
+    goodput.flush()
     elapsed = progress.elapsed()
     peak_rss = [0.0] * world_size  # MiB per rank, for metrics.json
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    split = goodput.job() if rank == 0 else {}
     if losses:  # a run with nothing left to do keeps the last metrics
         if rank == 0 and ckpt_dir:
-            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, progress.paused_s, world_size, peak_rss, use)
+            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, progress.paused_s, world_size, peak_rss, use,
+                          split)
         logger.info(f"done: {len(losses)} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
-    if status == 0:
-        rankstate.publish(state="done", eta_s=0)
+        if split:  # rank 0
+            logger.info(goodput_line(split) if status == 0 else f"so far: {goodput_line(split)}")
+    rankstate.publish(goodput=split or None, goodput_line=goodput_line(split) if split else None,
+                      **({"state": "done", "eta_s": 0} if status == 0 else {}))
     return status
 
 

@@ -26,10 +26,10 @@ class Progress:
         self.last_logged = start_step
         self.paused_s = 0.0
 
-    def step(self, step: int, loss: float, lr: float, force: bool = False) -> None:
-        """Logs the line every log_every steps, at the last step, and when `force`d (a stop)."""
+    def step(self, step: int, loss: float, lr: float, force: bool = False) -> bool:
+        """Logs the line every log_every steps, at the last step, and when `force`d (a stop); whether it did."""
         if not (step % self.log_every == 0 or step == self.steps or force):
-            return
+            return False
         now = time.perf_counter()
         interval_steps, self.last_logged = step - self.last_logged, step
         interval = now - self.interval_start
@@ -44,6 +44,7 @@ class Progress:
             f"{self.global_batch * interval_steps / interval:.1f} samples/s | "
             f"{'' if utilised is None else f'mfu {utilised:.1%} | '}eta {format_eta(eta_s)}")
         self.interval_start = now
+        return True
 
     def pause(self, seconds: float) -> None:
         """`seconds` spent outside training (a checkpoint save): left out of tokens/s."""

@@ -232,8 +232,12 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     final = wait_for(lambda: (data := progress_data(namespace)).get("state") == "done" and data, 30,
                      "the progress ConfigMap to say done", lambda: str(progress_data(namespace)))
     assert re.fullmatch(r"done \| step 60/60 \(100\.0%\) \| loss \d+\.\d{4} \| [\d,]+ tokens/s \| eta 0:00:00 \| "
-                        r"checkpoint at step 60 \| attempt 1 \(0 of 2 failures used, 0 preemptions\)",
-                        final["summary"]), final
+                        r"checkpoint at step 60 \| goodput \d+\.\d% \| attempt 1 \(0 of 2 failures used, "
+                        r"0 preemptions\)", final["summary"]), final
+    # The job's wall time, split into measured buckets that add up, with little left unaccounted.
+    split = {name: float(seconds) for name, seconds in re.findall(r"([a-z-]+) (-?[\d.]+)s", final["goodput"])}
+    wall = split.pop("wall")
+    assert abs(sum(split.values()) - wall) < 0.5 and abs(split["unaccounted"]) < max(0.02 * wall, 3), final
     print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
           f"{final['summary']}")
 

@@ -101,6 +101,7 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
     with Cluster(render(values)) as cluster:
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
+        job_started = time.time()  # the test's own clock: the first launcher pod starts
         process = cluster.start(launcher)
         pod_logs, preempted_at = [], []
 
@@ -131,10 +132,30 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
             else:  # its node is gone: nothing of the pod runs on, not even its SIGTERM trap; the ranks do
                 cluster.kill(launcher)
                 assert next_pod(attempt + 1, stopped_ranks=False) != 0
+        trained_at = wait_for(lambda: "INFO done: " in launcher.log(), 300, "the last attempt to finish",
+                              lambda: launcher.log()[-3000:])
+        job_ended = time.time() - (time.monotonic() - trained_at)
         code = wait(process, timeout=300)
         log = launcher.log()
         assert code == 0, log[-4000:]
         assert "attempts: attempt 6 (3 of 3 failures used, 2 preemptions)" in log
+        # Goodput over the six attempts: measured buckets that add up to the job's wall time, which matches the
+        # test's own clock; the crashes' lost steps are recomputation, the preemptions lost none, nothing hung.
+        split = json.loads((cluster.checkpoint_dir() / "metrics.json").read_text())["goodput_s"]
+        buckets = ("productive", "startup", "restore", "save", "recomputation", "hung")
+        assert abs(sum(split[b] for b in buckets) + split["unaccounted"] - split["wall"]) < 0.05, split
+        assert abs(split["unaccounted"]) < max(0.02 * split["wall"], 3), split
+        assert abs(split["wall"] - (job_ended - job_started)) < max(0.02 * split["wall"], 3), \
+            (split, job_ended - job_started)
+        assert split["attempts"] == 6 and split["hung"] == 0 and split["recomputation"] > 0, split
+        records = sorted((cluster.checkpoint_dir() / "goodput").glob("*/*.json"))
+        assert len(records) == 6, records
+        attempts_ = [json.loads(r.read_text()) for r in records]
+        for stopped in (2, 4):  # attempts 3 and 5: the next resumed where they stopped
+            assert attempts_[stopped + 1]["resumed_from"] == attempts_[stopped]["last_step"], attempts_
+        assert re.search(r"INFO goodput \d+\.\d% \| wall [\d.]+s = productive [\d.]+s \+ start-up [\d.]+s \+ "
+                         r"restore [\d.]+s \+ save [\d.]+s \+ recomputation [\d.]+s \+ hung 0\.0s \+ unaccounted "
+                         r"-?[\d.]+s \(6 attempts\)", log), log[-2000:]
         assert f"collective timeout {COLLECTIVE_TIMEOUT_MINUTES} min | attempt 6 (3 of 3 failures used, " \
                "2 preemptions)" in log  # rank 0's start line
         assert max(step_losses(log)) == 300

@@ -60,7 +60,7 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
             slowing.join()
         os.kill(victim, signal.SIGCONT)
         os.kill(victim, signal.SIGSTOP)
-        stopped_at = time.monotonic()
+        stopped_at, stopped_wall = time.monotonic(), time.time()
         detected_at = wait_for(lambda: "hang on" in launcher.log(), STEP_BUDGET_S + 30, "the hang report",
                                launcher.log)
         code = wait(run, timeout=300)
@@ -89,6 +89,13 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
         assert resumed >= 40 and max(step_losses(retry)) == 300
         assert checkpoint.is_complete(ckpt / "step_00000300")
+        # Goodput: the time hung is the watchdog's silence, which began at the test's stop (within a step) and
+        # ended at its report; the steps after the resumed checkpoint are recomputation.
+        split = json.loads((ckpt / "metrics.json").read_text())["goodput_s"]
+        reported = max(p.stat().st_mtime for p in diagnostics) - stopped_wall
+        assert abs(split["hung"] - reported) < 3, (split, reported)
+        assert split["attempts"] == 2 and split["recomputation"] >= 0, split
+        assert abs(split["unaccounted"]) < max(0.02 * split["wall"], 3), split
 
 
 def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and_the_retry_finishes(shared_dir):

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 BUDGET_SPENT = 3  # the chart's podFailurePolicy fails the Job on it: the budget is the job's, not the pod's
-ENV_KEYS = ("DS_RUN_ID", "DS_ATTEMPT_DIR", "DS_ATTEMPT", "DS_FAILURES", "DS_FAILURE_BUDGET", "DS_PREEMPTIONS")
+ENV_KEYS = ("DS_RUN_ID", "DS_ATTEMPT_DIR", "DS_ATTEMPT", "DS_FAILURES", "DS_FAILURE_BUDGET", "DS_PREEMPTIONS",
+            "DS_ATTEMPT_BEGUN")  # BEGUN: the wall clock at its start, for train/goodput.py
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")  # every value is pasted into a remote shell by DeepSpeed's pdsh runner
 VERDICT = "verdict.json"  # in DS_RANK_STATE_DIR, for progress.py
 # The attempt counter in VERDICT, named as train/rankstate.py's ATTEMPT_ENV names it in rank 0's progress.
@@ -95,7 +96,7 @@ def begin() -> tuple[dict[str, str] | None, str]:
     # The run's name (diagnostics/<run>) is unique across Jobs of the release: the job's first 8 characters.
     env = {"DS_RUN_ID": f"run-{number:04d}-{directory.name[:8]}", "DS_ATTEMPT_DIR": str(attempt),
            "DS_ATTEMPT": str(number), "DS_FAILURES": str(failures), "DS_FAILURE_BUDGET": str(budget()),
-           "DS_PREEMPTIONS": str(preemptions)}
+           "DS_PREEMPTIONS": str(preemptions), "DS_ATTEMPT_BEGUN": f"{time.time():.3f}"}
     return env, summary(number, failures, preemptions)
 
 

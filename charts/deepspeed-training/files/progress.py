@@ -87,6 +87,8 @@ def fields_of(source: dict) -> dict[str, str]:
         out["percent"] = f"{100 * step / steps:.1f}"
     if isinstance(source.get("run"), str):
         out["run"] = source["run"][:64]
+    if isinstance(source.get("goodput_line"), str):  # train/goodput.py's split of the job's wall time
+        out["goodput"] = source["goodput_line"][:400]
     return out
 
 
@@ -100,6 +102,8 @@ def summary(data: dict[str, str]) -> str:
                                                         ("checkpointStep", "checkpoint at step")) if key in data]
     if "tokensPerSecond" in data:
         parts.insert(3 if "loss" in data else 2, f"{int(data['tokensPerSecond']):,} tokens/s")
+    if data.get("goodput"):
+        parts.append(data["goodput"].split(" | ")[0])  # "goodput 91.2%"
     if "attempt" in data:
         preemptions = data.get("preemptions", "?")
         parts.append(f"attempt {data['attempt']} ({data.get('failuresUsed', '?')} of {data.get('failureBudget', '?')}"
@@ -226,6 +230,13 @@ def serve_metrics(pod: Pod, port: int, release: str) -> bool:
                                            labels=["release"])
                 family.add_metric(labels, max(0.0, time.time() - published))
                 yield family
+            goodput = progress.get("goodput") if isinstance(progress.get("goodput"), dict) else {}
+            family = GaugeMetricFamily(f"{METRIC}_goodput_seconds", "the job's wall time so far, by where it went "
+                                       "(all attempts; bucket wall is the whole)", labels=["release", "bucket"])
+            for bucket, seconds in goodput.items():
+                if isinstance(bucket, str) and bucket != "attempts" and (value := number(seconds)) is not None:
+                    family.add_metric([release, bucket[:32]], value)
+            yield family
             ranks = pod.ranks()
             for name, key, doc in (("rank_step", "step", "the last step this rank finished"),
                                    ("rank_step_seconds", "step_s", "this rank's recent seconds per step"),

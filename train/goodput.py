@@ -1,0 +1,173 @@
+"""Where a job's wall time went, across all its attempts: productive steps, start-up, checkpoint restore and save,
+recomputation (steps a failure lost, trained again from the last complete checkpoint), time hung, and what none of
+them measured (`unaccounted`, reported, never folded in).
+
+Rank 0 keeps one record per attempt in <checkpoint_dir>/goodput/<job>/<attempt>.json (replaced atomically, at most
+every FLUSH_S and at every save and at the end), and beside it <attempt>.step, one fixed-width line that every step
+rewrites in place (one pwrite, as the heartbeat: `last_step productive_s updated`), with wall-clock times:
+- `begun`: when the attempt began (DS_ATTEMPT_BEGUN from the chart's ledger, files/attempts.py; else this
+  process's start)
+- `first_step`: when its first step started; `restore_s`: its checkpoint load; `save_s`: its saves
+- `productive_s`: its steps' time, with the value at each saved step (`at_step`), so that the steps a later attempt
+  trains again count as recomputation instead
+- `resumed_from`, `last_step`, `updated` (the end of its last step or save), `run` (DS_RUN_ID)
+An attempt spans from the end of the one before (its `updated`; after a hang, the watchdog's report in
+diagnostics/<run>/, written just before it killed the ranks, and the time since `updated` is time hung) to its own
+end. Start-up is the part of that span before its first step, less the restore: for a retry it includes noticing
+the failure and starting the ranks again. The job's wall time runs from its first attempt's `begun` to the last end.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+FLUSH_S = 2.0
+KEEP_SAVES = 50  # the productive time at the last saves: a retry resumes from one of them
+BUCKETS = ("productive", "startup", "restore", "save", "recomputation", "hung")
+TAIL_BYTES = 64
+
+
+def _process_start() -> float:
+    """This process's start, wall clock (Linux: /proc/self/stat field 22, in clock ticks after boot)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+class Goodput:
+    """Rank 0's record of this attempt (no file when `ckpt_dir` is None)."""
+
+    def __init__(self, ckpt_dir: Path | None, resumed_from: int, restore_s: float):
+        run = os.environ.get("DS_RUN_ID", "")
+        self.directory = ckpt_dir / "goodput" / (run.rsplit("-", 1)[-1] if run else "local") if ckpt_dir else None
+        attempt = os.environ.get("DS_ATTEMPT", "")
+        self.path = self.directory / f"{int(attempt) if attempt.isdigit() else 1:04d}.json" if self.directory else None
+        try:
+            begun = float(os.environ.get("DS_ATTEMPT_BEGUN", ""))
+        except ValueError:
+            begun = _process_start()
+        self.record = {"begun": begun, "first_step": None, "restore_s": restore_s, "save_s": 0.0,
+                       "productive_s": 0.0, "at_step": {}, "resumed_from": resumed_from, "last_step": resumed_from,
+                       "updated": time.time(), "run": run}
+        self.flushed = 0.0
+        self.tail: int | None = None  # <attempt>.step, open for the per-step pwrite
+        if self.path and self.path.exists() and not attempt.isdigit():
+            self.path.unlink()  # a local rerun without the chart's ledger starts its own record
+
+    def step(self, step: int, started: float, seconds: float) -> None:
+        """A step that started at wall time `started` took `seconds`."""
+        record = self.record
+        if record["first_step"] is None:
+            record["first_step"] = started
+        record["productive_s"] += seconds
+        record["last_step"], record["updated"] = step, started + seconds
+        if time.monotonic() - self.flushed >= FLUSH_S:
+            self.flush()
+        if self.tail is not None:
+            line = f"{step} {record['productive_s']:.6f} {record['updated']:.6f}".ljust(TAIL_BYTES - 1) + "\n"
+            try:
+                os.pwrite(self.tail, line.encode(), 0)
+            except OSError:
+                pass
+
+    def saved(self, step: int, seconds: float) -> None:
+        record = self.record
+        record["save_s"] += seconds
+        record["at_step"][str(step)] = record["productive_s"]
+        if len(record["at_step"]) > KEEP_SAVES:
+            del record["at_step"][next(iter(record["at_step"]))]
+        record["updated"] = time.time()
+        self.flush()
+
+    def flush(self) -> None:
+        self.flushed = time.monotonic()
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(json.dumps(self.record))
+            os.replace(tmp, self.path)
+            if self.tail is None:
+                self.tail = os.open(self.path.with_suffix(".step"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:
+            pass  # accounting must never stop training
+
+    def job(self) -> dict:
+        """The whole job so far: every attempt's record (this one as it is now), split into BUCKETS."""
+        records = {}
+        if self.directory and self.directory.is_dir():
+            for path in sorted(self.directory.glob("[0-9]*.json")):
+                try:
+                    record = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if not _valid(record):
+                    continue
+                try:
+                    step, productive, updated = path.with_suffix(".step").read_text().split()
+                    if int(step) >= record["last_step"]:  # the last steps, newer than the last flush
+                        record.update(last_step=int(step), productive_s=float(productive), updated=float(updated))
+                except (OSError, ValueError):
+                    pass
+                records[path.name] = record
+        records[self.path.name if self.path else "0001.json"] = self.record
+        attempts = [records[name] for name in sorted(records)]
+        split = dict.fromkeys(BUCKETS, 0.0)
+        start = attempts[0]["begun"]
+        end = start
+        for i, record in enumerate(attempts):
+            killed = self._hang_reported(record["run"]) if i + 1 < len(attempts) else None
+            hung = max(0.0, killed - record["updated"]) if killed else 0.0
+            later = attempts[i + 1]["resumed_from"] if i + 1 < len(attempts) else None
+            lost = 0.0
+            if later is not None and later < record["last_step"]:
+                lost = record["productive_s"] - record["at_step"].get(str(later), 0.0)
+            split["productive"] += record["productive_s"] - lost
+            split["recomputation"] += lost
+            split["save"] += record["save_s"]
+            split["restore"] += record["restore_s"]
+            split["hung"] += hung
+            if record["first_step"] is not None:  # from the end of the attempt before (or the job's start)
+                split["startup"] += max(0.0, record["first_step"] - end - record["restore_s"])
+            end = max(end, record["updated"]) + hung
+        wall = end - start
+        return {**{k: round(v, 3) for k, v in split.items()}, "wall": round(wall, 3),
+                "unaccounted": round(wall - sum(split.values()), 3), "attempts": len(attempts)}
+
+    def _hang_reported(self, run: str) -> float | None:
+        """When a watchdog reported the run hung, just before it killed the ranks (the first report); None if
+        none did."""
+        if not run or self.directory is None:
+            return None
+        reports = self.directory.parent.parent / "diagnostics" / run
+        times = []
+        for path in reports.glob("*.txt"):
+            try:
+                times.append(path.stat().st_mtime)
+            except OSError:
+                continue
+        return min(times, default=None)
+
+
+def _valid(record) -> bool:
+    """A record as Goodput writes it (a hand-edited or truncated one is left out, never a crash at the end)."""
+    numbers = ("begun", "restore_s", "save_s", "productive_s", "updated")
+    return (isinstance(record, dict) and all(isinstance(record.get(k), int | float) for k in numbers)
+            and isinstance(record.get("first_step"), int | float | None) and isinstance(record.get("at_step"), dict)
+            and isinstance(record.get("resumed_from"), int) and isinstance(record.get("last_step"), int)
+            and isinstance(record.get("run"), str))
+
+
+def describe(split: dict) -> str:
+    """`goodput 91.2% | wall 120.3s = productive 109.7s + start-up 6.1s + ... + unaccounted 0.8s (3 attempts)`."""
+    wall = split["wall"] or 1e-9
+    names = {"startup": "start-up"}
+    parts = " + ".join(f"{names.get(k, k)} {split[k]:.1f}s" for k in (*BUCKETS, "unaccounted"))
+    return (f"goodput {100 * split['productive'] / wall:.1f}% | wall {split['wall']:.1f}s = {parts} "
+            f"({split['attempts']} attempt{'s' if split['attempts'] != 1 else ''})")
