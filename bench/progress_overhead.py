@@ -1,6 +1,7 @@
 """What the progress reporting costs, side by side on this machine (issue: progress ConfigMap and metrics):
 (a) a rank's `rankstate.beat(step)` per step without DS_RANK_STATE_DIR (nothing written), (b) with it (the state
-line, and rank 0's progress.json every PUBLISH_EVERY_S), and (c) the progress sidecar (files/progress.py): its CPU
+line, and rank 0's progress.json every PUBLISH_EVERY_S), (c) rank 0's goodput record per step (train/goodput.py),
+and (d) the progress sidecar (files/progress.py): its CPU
 while a rank beats STEPS_PER_S steps a second and a scraper reads /metrics every second, as Prometheus would.
 
     python bench/progress_overhead.py [--seconds 20]
@@ -33,6 +34,26 @@ print((time.perf_counter() - started) / n if not pace else 0)
 """
 
 
+GOODPUT_STEPS = """
+import sys, time
+from pathlib import Path
+from train.goodput import Goodput
+n = int(sys.argv[1])
+record = Goodput(Path(sys.argv[2]), 0, 0.0)
+record.flush()
+started = time.perf_counter()
+for step in range(1, n + 1):
+    record.step(step, time.time(), 0.01)
+print((time.perf_counter() - started) / n)
+"""
+
+
+def per_goodput_step_us(checkpoints: str, n: int = 200_000) -> float:
+    out = subprocess.run([sys.executable, "-c", GOODPUT_STEPS, str(n), checkpoints], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    return float(out.split()[-1]) * 1e6
+
+
 def per_beat_us(env: dict, n: int = 200_000) -> float:
     out = subprocess.run([sys.executable, "-c", BEATS, str(n), "0"], env=env, cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
@@ -54,6 +75,8 @@ def main() -> None:
             ("beat(), no state dir (reporting off)", {"RANK": "0"}),
             ("beat(), rank 1 (state line)", {"RANK": "1", "DS_RANK_STATE_DIR": state_dir}),
             ("beat(), rank 0 (state line + progress.json)", {"RANK": "0", "DS_RANK_STATE_DIR": state_dir}))]
+        rows.append(("goodput record, rank 0 (the .step line; the record every 2 s)",
+                     f"{per_goodput_step_us(state_dir):.2f} us/step"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
