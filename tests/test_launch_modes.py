@@ -81,10 +81,10 @@ def test_nossh_env_reaches_the_ranks_as_pod_env():
 
 
 def test_both_modes_retry_runs_in_the_pods_and_fail_the_job_on_a_configuration_error():
-    for docs, job in ((render_chart(), "-launcher-1"), (render_chart(NOSSH), "-worker-r1")):
+    for docs, job, main in ((render_chart(), "-launcher-1", "launcher"), (render_chart(NOSSH), "-worker-r1", "worker")):
         spec = one(docs, "Job", job)["spec"]
-        assert spec["podFailurePolicy"]["rules"][1] == {"action": "FailJob",
-                                                         "onExitCodes": {"operator": "In", "values": [2, 3]}}
+        assert spec["podFailurePolicy"]["rules"][1] == {
+            "action": "FailJob", "onExitCodes": {"containerName": main, "operator": "In", "values": [2, 3]}}
         assert env_of(one(docs, "Job", job))["DS_RUN_RETRIES"] == "2"
 
 

@@ -516,7 +516,7 @@ this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion inde
 
 {{/* Job settings shared by the launcher Job (ssh) and the workers' Job (nossh). */}}
 {{- define "deepspeed-training.jobPolicy" -}}
-backoffLimit: {{ .Values.job.backoffLimit | int }}
+backoffLimit: {{ .root.Values.job.backoffLimit | int }}
 # A new pod starts only once the failed one is gone, so its clean-up cannot hit the next attempt's ranks.
 podReplacementPolicy: Failed
 podFailurePolicy:
@@ -528,20 +528,23 @@ podFailurePolicy:
           status: "True"
     # Exit status 2 is a configuration error (bad arguments or input files): a retry would fail the same way.
     # 3: the job's failure budget is spent (files/attempts.py counts it across pods).
+    # Both exit-code rules name the main container: a native sidecar's exit codes would match them too.
     - action: FailJob
       onExitCodes:
+        containerName: {{ .container | quote }}
         operator: In
         values: [2, 3]
     # 143: the pod stopped on SIGTERM (a deletion, an upgrade, a preemption without a DisruptionTarget): the
     # pod scripts marked its attempt a preemption, and neither budget is spent.
     - action: Ignore
       onExitCodes:
+        containerName: {{ .container | quote }}
         operator: In
         values: [143]
-{{- with .Values.job.activeDeadlineSeconds }}
+{{- with .root.Values.job.activeDeadlineSeconds }}
 activeDeadlineSeconds: {{ . | int }}
 {{- end }}
-{{- if not (kindIs "invalid" .Values.job.ttlSecondsAfterFinished) }}
-ttlSecondsAfterFinished: {{ .Values.job.ttlSecondsAfterFinished | int }}
+{{- if not (kindIs "invalid" .root.Values.job.ttlSecondsAfterFinished) }}
+ttlSecondsAfterFinished: {{ .root.Values.job.ttlSecondsAfterFinished | int }}
 {{- end }}
 {{- end }}
