@@ -44,8 +44,8 @@ def test_ci_values_render_the_job(helm, values_file):
     assert ("Secret" in kinds) == (ssh and "existingSecret" not in values.get("ssh", {}))
     assert ("NetworkPolicy" in kinds) == values.get("networkPolicy", {}).get("enabled", True)
     # Roles: the launcher's (scaling its workers down) and the progress sidecars' (never bound to `default`).
-    bound = values.get("serviceAccount", {}).get("create", True) or values["serviceAccount"].get("name")
-    assert ("Role" in kinds) == bool((ssh and values.get("launcher", {}).get("scaleDownWorkers", True)) or bound)
+    own_account = values.get("serviceAccount", {}).get("create", True)
+    assert ("Role" in kinds) == bool((ssh and values.get("launcher", {}).get("scaleDownWorkers", True)) or own_account)
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=[f.name for f in CI_VALUES])
@@ -236,8 +236,10 @@ def test_the_launcher_sidecar_uses_the_token_the_launcher_pod_mounts_to_scale_wo
     assert "progress-token" not in [v["name"] for v in pod["volumes"]]
 
 
-def test_progress_is_never_bound_to_the_default_account_and_can_be_switched_off():
-    docs = render_chart({"serviceAccount": {"create": False}, "launcher": {"scaleDownWorkers": False}})
+@pytest.mark.parametrize("account", [{"create": False}, {"create": False, "name": "shared-trainer"}])
+def test_progress_is_bound_only_to_the_releases_own_account_and_can_be_switched_off(account):
+    # A shared account (`default`, or one other releases run as) would let them patch this release's progress.
+    docs = render_chart({"serviceAccount": account, "launcher": {"scaleDownWorkers": False}})
     assert by_kind(docs, "Role") == [] and by_kind(docs, "RoleBinding") == []
     for pod in (w["spec"]["template"]["spec"] for w in workloads(docs)):
         assert "--configmap" not in pod["initContainers"][0]["command"]  # metrics only
@@ -262,7 +264,8 @@ def test_the_pod_monitor_needs_the_value_and_the_api_and_the_metrics_port_opens_
 
 
 @pytest.mark.parametrize("peer", [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {}, {"podSelector": {}},
-                                  {"namespaceSelector": {"matchExpressions": []}}])
+                                  {"namespaceSelector": {"matchExpressions": []}},
+                                  {"namespaceSelector": {"matchLabels": {}}}, {"podSelector": {"matchLabels": {}}}])
 def test_metrics_scrapers_are_label_selectors_only(peer):
     with pytest.raises(HelmError) as err:
         render_chart({"progress": {"metricsFrom": [peer]}})
@@ -348,8 +351,9 @@ def test_the_launcher_job_is_per_revision_and_retries_safely():
     assert job["spec"]["podReplacementPolicy"] == "Failed"
     assert job["spec"]["podFailurePolicy"]["rules"] == [
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2, 3]}},
-        {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [143]}}]
+        # The main container's exit codes only: the progress sidecar's never decide.
+        {"action": "FailJob", "onExitCodes": {"containerName": "launcher", "operator": "In", "values": [2, 3]}},
+        {"action": "Ignore", "onExitCodes": {"containerName": "launcher", "operator": "In", "values": [143]}}]
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 150  # worker grace + 30
     assert env_of(job)["DS_KILL_GRACE_SECONDS"] == "110"
 
@@ -510,3 +514,15 @@ def test_a_monitor_without_an_output_path_writes_under_the_release_checkpoints()
     rendered = json.loads(config_data(render_chart({"deepspeed": {"config": config}}))["ds_config.json"])
     assert rendered["tensorboard"] == {"enabled": True, "job_name": "run", "output_path": "/checkpoints/monitor/"}
     assert rendered["csv_monitor"]["output_path"] == "/data/own" and rendered["wandb"] == {"enabled": False}
+
+
+def test_metrics_scrapers_name_labels_and_the_metrics_port_is_its_own():
+    with pytest.raises(HelmError) as err:
+        render_chart({"progress": {"metricsFrom": [{"podSelector": {"matchLabels": {"bad key": "x"}}}]}})
+    assert 'progress.metricsFrom[0].podSelector.matchLabels: key "bad key" is not' in err.value.stderr
+    for values, taken in (({"ssh": {"port": 9400}}, "ssh.port"), ({"deepspeed": {"masterPort": 9400}},
+                                                                  "deepspeed.masterPort"),
+                          ({"launchMode": "nossh", "deepspeed": {"masterPort": 9399}}, "the start barrier's port")):
+        with pytest.raises(HelmError) as err:
+            render_chart(values)
+        assert f"progress.metricsPort: 9400 is also {taken}" in err.value.stderr

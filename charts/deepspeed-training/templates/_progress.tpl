@@ -10,10 +10,11 @@ uses that one. Called with (dict "root" $ "automounted" BOOL).
 {{- printf "%s-progress" (include "deepspeed-training.fullname" .) }}
 {{- end }}
 
-{{/* "true" when the sidecar may patch the ConfigMap: never through the namespace's `default` account, whose
-binding would let every pod of the namespace that runs as it patch this release's progress. */}}
+{{/* "true" when the sidecar may patch the ConfigMap: only through the release's own ServiceAccount
+(serviceAccount.create). A binding to a shared one (`default`, or a named account other releases or pods run
+as) would let them patch this release's progress, its labels included. */}}
 {{- define "deepspeed-training.progressPublishes" -}}
-{{- if and .Values.progress.enabled (ne (include "deepspeed-training.serviceAccountName" .) "default") }}true{{- end }}
+{{- if and .Values.progress.enabled .Values.serviceAccount.create }}true{{- end }}
 {{- end }}
 
 {{- define "deepspeed-training.progressSidecar" -}}

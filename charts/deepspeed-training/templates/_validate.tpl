@@ -49,6 +49,17 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- if or (lt $stages 1) (ne (mod $ranks $stages) 0) }}
 {{- fail (printf "train.config.model.pipeline_stages %d must divide the world size %d (worker.replicas %d x worker.gpusPerWorker %d): stages x data-parallel ranks" $stages $ranks (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker)) }}
 {{- end }}
+{{- if .Values.progress.enabled }}
+{{- $taken := dict (toString (int .Values.deepspeed.masterPort)) "deepspeed.masterPort" }}
+{{- if eq .Values.launchMode "ssh" }}
+{{- $_ := set $taken (toString (int .Values.ssh.port)) "ssh.port" }}
+{{- else }}
+{{- $_ := set $taken (include "deepspeed-training.barrierPort" .) "the start barrier's port (deepspeed.masterPort + 1)" }}
+{{- end }}
+{{- with get $taken (toString (int .Values.progress.metricsPort)) }}
+{{- fail (printf "progress.metricsPort: %d is also %s: the pods listen on both; use another port" (int $.Values.progress.metricsPort) .) }}
+{{- end }}
+{{- end }}
 {{- if eq .Values.launchMode "ssh" }}
 {{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
 {{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
@@ -137,10 +148,10 @@ overridden by them), and those that make the ranks' shells run code or parse com
 
 {{/* Volumes and mounts: one volume per name, one mount per path, every mount names a volume. */}}
 {{- define "deepspeed-training.validateMounts" -}}
-{{- $volumes := dict "config" "(chart)" "scripts" "(chart)" "ssh-keys" "(chart)" "home" "(chart)" "tmp" "(chart)" "dshm" "(chart)" "checkpoints" "(chart)" "data" "(chart)" }}
+{{- $volumes := dict "config" "(chart)" "scripts" "(chart)" "ssh-keys" "(chart)" "home" "(chart)" "tmp" "(chart)" "dshm" "(chart)" "checkpoints" "(chart)" "data" "(chart)" "progress-token" "(chart)" }}
 {{- range $i, $v := .Values.worker.extraVolumes }}
 {{- if hasKey $volumes $v.name }}
-{{- fail (printf "worker.extraVolumes[%d]: volume name %q is taken (the chart's volumes: config, scripts, ssh-keys, home, tmp, dshm, checkpoints, data; or an earlier extraVolume)" $i $v.name) }}
+{{- fail (printf "worker.extraVolumes[%d]: volume name %q is taken (the chart's volumes: config, scripts, ssh-keys, home, tmp, dshm, checkpoints, data, progress-token; or an earlier extraVolume)" $i $v.name) }}
 {{- end }}
 {{- $_ := set $volumes $v.name (printf "worker.extraVolumes[%d]" $i) }}
 {{- end }}
@@ -204,6 +215,11 @@ them (a later duplicate key would win and move a pod out of its release or into 
 */}}
 {{- define "deepspeed-training.validateLabels" -}}
 {{- $maps := dict "global.nodeSelector" .Values.global.nodeSelector "worker.nodeSelector" .Values.worker.nodeSelector "launcher.nodeSelector" .Values.launcher.nodeSelector "worker.podLabels" .Values.worker.podLabels "launcher.podLabels" .Values.launcher.podLabels "worker.podAnnotations" .Values.worker.podAnnotations "launcher.podAnnotations" .Values.launcher.podAnnotations "serviceAccount.annotations" .Values.serviceAccount.annotations }}
+{{- range $i, $peer := .Values.progress.metricsFrom }}
+{{- range $selector, $value := $peer }}
+{{- $_ := set $maps (printf "progress.metricsFrom[%d].%s.matchLabels" $i $selector) $value.matchLabels }}
+{{- end }}
+{{- end }}
 {{- range $where, $map := $maps }}
 {{- range $key, $_ := $map }}
 {{- if or (gt (len $key) 316) (not (regexMatch "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" $key)) }}
