@@ -65,6 +65,14 @@ def test_a_stop_after_the_outcome_and_a_success_spend_nothing(tmp_path):
     # And the progress sidecar still reads "done" (a scale-down after success sends SIGTERM).
     verdict = json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())
     assert verdict["state"] == "done" and verdict["attempt"] == env["DS_ATTEMPT"]
+    # A stop during the next attempt: its failed run (143) is a preemption to the sidecar too, not a failure.
+    ranks = {"DS_RANK_STATE_DIR": str(tmp_path / "ranks")}
+    env = {**dict(line.split("=", 1) for line in run(tmp_path, "begin", env=ranks).stdout.splitlines()), **ranks}
+    assert json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())["state"] == "starting"
+    run(tmp_path, "stopped", env=env)
+    run(tmp_path, "end", "143", env=env)
+    verdict = json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())
+    assert (verdict["state"], verdict["reason"]) == ("stopped", attempts.STOPPED), verdict
 
 
 def test_an_ssh_worker_marks_the_attempt_its_ranks_run_and_nothing_outside_the_ledger(tmp_path):

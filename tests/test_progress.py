@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -122,7 +123,7 @@ def test_the_configmap_data_says_where_the_job_stands_and_a_failure_keeps_its_ha
     (state_dir / progress.PROGRESS).write_text(json.dumps(
         {"state": "training", "step": 120, "steps": 300, "loss": 0.40641, "tokens_per_s": 6100.4, "mfu": 0.412,
          "eta_s": 18.2, "checkpoint_step": 100, "attempt": "2", "failures": "1", "failure_budget": "2",
-         "preemptions": "0", "run": "run-0002-abcd"}))
+         "preemptions": "0", "run": "run-0002-abcd", "time": time.time() + 1}))  # after the ledger's word
     data: dict[str, str] = {}
     for _, fields in pod.changes():
         data = progress.merge(data, fields)
@@ -144,7 +145,7 @@ def test_the_configmap_data_says_where_the_job_stands_and_a_failure_keeps_its_ha
     attempts.end(0)
     for _, fields in pod.changes():
         data = progress.merge(data, fields)
-    assert data["state"] == "done"
+    assert data["state"] == "done" and "reason" not in data  # why an attempt ended is moot once the job is done
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", "not json", '{"step": "1e999", "loss": "x" }', '{"state": 7}',
@@ -152,11 +153,15 @@ def test_the_configmap_data_says_where_the_job_stands_and_a_failure_keeps_its_ha
                                      json.dumps({"state": "s" * 10_000, "reason": "r" * 10_000})])
 def test_a_programs_odd_progress_file_never_takes_the_sidecar_down(state_dir, content):
     (state_dir / progress.PROGRESS).write_text(content)
-    data = {}
+    (state_dir / "hang-run-1.txt").write_bytes(b"hang \xff\xfe on \x1b]0;owned\x07 w-1\n")  # not UTF-8, escapes
+    (state_dir / "12345").write_bytes(b"training rank=0 step=\xff\n")
+    data = {"tokensPerSecond": "1e+20x", "step": "many"}  # data a hand or another version wrote
     for _, fields in progress.Pod(state_dir).changes():
         data = progress.merge(data, fields)
     assert all(isinstance(v, str) and len(v) < 1200 for k, v in data.items() if k != "summary")
     assert "percent" not in data and "eta" not in data
+    assert not progress.CONTROL.search(data["summary"]) and "\x1b" not in data["reason"]
+    assert [r["step"] for r in progress.Pod(state_dir).ranks()] == [None]  # its metrics leave the step out
 
 
 DASHBOARD = ROOT / "charts" / "deepspeed-training" / "dashboards" / "deepspeed-training.json"

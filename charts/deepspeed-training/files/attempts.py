@@ -36,6 +36,7 @@ ENV_KEYS = ("DS_RUN_ID", "DS_ATTEMPT_DIR", "DS_ATTEMPT", "DS_FAILURES", "DS_FAIL
             "DS_ATTEMPT_BEGUN")  # BEGUN: the wall clock at its start, for train/goodput.py
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")  # every value is pasted into a remote shell by DeepSpeed's pdsh runner
 VERDICT = "verdict.json"  # in DS_RANK_STATE_DIR, for progress.py
+STOPPED = "stopped by SIGTERM (a preemption: not counted against the failure budget)"
 # The attempt counter in VERDICT, named as train/rankstate.py's ATTEMPT_ENV names it in rank 0's progress.
 VERDICT_ENV = {"attempt": "DS_ATTEMPT", "failures": "DS_FAILURES", "failure_budget": "DS_FAILURE_BUDGET",
                "preemptions": "DS_PREEMPTIONS", "run": "DS_RUN_ID"}
@@ -82,9 +83,10 @@ def begin() -> tuple[dict[str, str] | None, str]:
     directory.mkdir(parents=True, exist_ok=True)
     count, failures, preemptions = tally(directory)
     if failures > budget():
-        return None, (f"failure budget spent: {failures} failed attempts, job.runRetries={budget()} allows "
-                      f"{budget()} (preemptions do not count: {preemptions}); failing the job. "
-                      f"Attempts: {directory}")
+        why = (f"failure budget spent: {failures} failed attempts, job.runRetries={budget()} allows {budget()} "
+               f"(preemptions do not count: {preemptions}); failing the job. Attempts: {directory}")
+        say("failed", why)
+        return None, why
     number = count + 1
     while True:  # mkdir is atomic: two owners never share a number (one owner at a time is the rule)
         attempt = directory / f"{number:04d}"
@@ -97,6 +99,7 @@ def begin() -> tuple[dict[str, str] | None, str]:
     env = {"DS_RUN_ID": f"run-{number:04d}-{directory.name[:8]}", "DS_ATTEMPT_DIR": str(attempt),
            "DS_ATTEMPT": str(number), "DS_FAILURES": str(failures), "DS_FAILURE_BUDGET": str(budget()),
            "DS_PREEMPTIONS": str(preemptions), "DS_ATTEMPT_BEGUN": f"{time.time():.3f}"}
+    say("starting", env=env)
     return env, summary(number, failures, preemptions)
 
 
@@ -106,6 +109,8 @@ def end(status: int) -> None:
         Path(attempt, "outcome").write_text(f"{status}\n")
     if status == 0:
         say("done")
+    elif attempt and any(Path(attempt).glob("stopped-*")):  # a preemption: the stop already said why
+        say("stopped", STOPPED)
     else:
         say("failed", f"attempt {os.environ.get('DS_ATTEMPT', '?')} ended with status {status}")
 
@@ -165,10 +170,8 @@ def main(argv: list[str]) -> int:
         env, line = begin()
         if env is None:
             print(line, file=sys.stderr)
-            say("failed", line)
             return BUDGET_SPENT
         print(f"attempts: {line}", file=sys.stderr)
-        say("starting", env=env)
         for key in ENV_KEYS:
             print(f"{key}={env[key]}")
         return 0
@@ -178,7 +181,7 @@ def main(argv: list[str]) -> int:
     if argv == ["stopped"]:
         marked = stopped()
         if marked:  # not after the run's outcome (a scale-down after success stops no attempt)
-            say("stopping", "stopped by SIGTERM (a preemption: not counted against the failure budget)")
+            say("stopping", STOPPED)
         for path in marked:
             print(f"attempts: {path}: stopped by SIGTERM (a preemption: not counted against the failure budget)")
         return 0

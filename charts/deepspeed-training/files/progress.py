@@ -19,6 +19,7 @@ Usage: progress.py [--configmap NAME] [--metrics-port PORT]   (runs until SIGTER
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -31,6 +32,14 @@ PROGRESS = "progress.json"
 VERDICT = "verdict.json"
 POLL_S = 1.0
 METRIC = "deepspeed_training"
+API_TIMEOUT = (3, 10)  # connect, read: a stuck API call must not hold the loop, nor the exit after SIGTERM
+FINAL_TRIES = 5  # after SIGTERM: a concurrent patch from another pod (409) must not lose the last word
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")  # a program's strings reach terminals (make status): no escapes
+
+
+def text(value, limit: int) -> str:
+    """A published string, on one line, without control characters, at most `limit` characters."""
+    return CONTROL.sub(" ", value)[:limit]
 
 
 def log(message: str) -> None:
@@ -39,7 +48,7 @@ def log(message: str) -> None:
 
 def read_json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(errors="replace"))
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
@@ -66,9 +75,9 @@ def fields_of(source: dict) -> dict[str, str]:
     """The ConfigMap's keys for what a PROGRESS or VERDICT file says (absent ones left out)."""
     out: dict[str, str] = {}
     if isinstance(source.get("state"), str):
-        out["state"] = source["state"][:32]
+        out["state"] = text(source["state"], 32)
     if isinstance(source.get("reason"), str):
-        out["reason"] = source["reason"][:1000]
+        out["reason"] = text(source["reason"], 1000)
     formats = {"step": ("step", "{:.0f}"), "steps": ("steps", "{:.0f}"), "loss": ("loss", "{:.4f}"),
                "lr": ("lr", "{:.3e}"), "tokens_per_s": ("tokensPerSecond", "{:.0f}"), "mfu": ("mfu", "{:.1%}"),
                "checkpoint_step": ("checkpointStep", "{:.0f}"), "attempt": ("attempt", "{:.0f}"),
@@ -79,16 +88,16 @@ def fields_of(source: dict) -> dict[str, str]:
         if value is not None:
             out[name] = form.format(value)
     if isinstance(source.get("loss"), str):  # rankstate writes a non-finite loss as "nan" / "inf"
-        out["loss"] = source["loss"][:16]
+        out["loss"] = text(source["loss"], 16)
     if (eta := number(source.get("eta_s"))) is not None and eta >= 0:
         out["eta"] = format_eta(eta)
     step, steps = number(source.get("step")), number(source.get("steps"))
     if step is not None and steps:
         out["percent"] = f"{100 * step / steps:.1f}"
     if isinstance(source.get("run"), str):
-        out["run"] = source["run"][:64]
+        out["run"] = text(source["run"], 64)
     if isinstance(source.get("goodput_line"), str):  # train/goodput.py's split of the job's wall time
-        out["goodput"] = source["goodput_line"][:400]
+        out["goodput"] = text(source["goodput_line"], 400)
     return out
 
 
@@ -100,8 +109,8 @@ def summary(data: dict[str, str]) -> str:
                      + (f" ({data['percent']}%)" if "percent" in data else ""))
     parts += [f"{label} {data[key]}" for key, label in (("loss", "loss"), ("mfu", "mfu"), ("eta", "eta"),
                                                         ("checkpointStep", "checkpoint at step")) if key in data]
-    if "tokensPerSecond" in data:
-        parts.insert(3 if "loss" in data else 2, f"{int(data['tokensPerSecond']):,} tokens/s")
+    if (tokens := number(data.get("tokensPerSecond"))) is not None:
+        parts.insert(3 if "loss" in data else 2, f"{tokens:,.0f} tokens/s")
     if data.get("goodput"):
         parts.append(data["goodput"].split(" | ")[0])  # "goodput 91.2%"
     if "attempt" in data:
@@ -118,10 +127,11 @@ class Pod:
 
     def __init__(self, state_dir: Path):
         self.state_dir = state_dir
-        self.seen: dict[str, int] = {}  # file name -> mtime_ns when last read
+        self.seen: dict[str, tuple[int, int]] = {}  # file name -> (inode, mtime_ns) when last read
 
     def changes(self) -> list[tuple[float, dict[str, str]]]:
-        """(time, fields) of every source that changed, oldest first."""
+        """(time, fields) of every source that changed, oldest first: by the time its writer put in it (mtimes
+        may be coarser than the events), else by its mtime."""
         found = []
         paths = [self.state_dir / PROGRESS, self.state_dir / VERDICT, *self.state_dir.glob("hang-*.txt")]
         for path in paths:
@@ -129,18 +139,24 @@ class Pod:
                 mtime = path.stat().st_mtime_ns
             except OSError:
                 continue
-            if self.seen.get(path.name) == mtime:
+            try:
+                identity = (path.stat().st_ino, mtime)
+            except OSError:
                 continue
-            self.seen[path.name] = mtime
+            if self.seen.get(path.name) == identity:
+                continue
+            self.seen[path.name] = identity
             if path.name.startswith("hang-"):
                 try:
-                    first = path.read_text().splitlines()[0]
+                    first = path.read_text(errors="replace").splitlines()[0]
                 except (OSError, IndexError):
                     continue
-                found.append((mtime / 1e9, {"state": "hung", "reason": first[:1000],
-                                            "run": path.name.removeprefix("hang-").removesuffix(".txt")[:64]}))
+                found.append((mtime / 1e9, {"state": "hung", "reason": text(first, 1000),
+                                            "run": text(path.name.removeprefix("hang-").removesuffix(".txt"), 64)}))
                 continue
-            found.append((mtime / 1e9, fields_of(read_json(path))))
+            source = read_json(path)
+            written = number(source.get("time"))
+            found.append((written if written is not None else mtime / 1e9, fields_of(source)))
         return sorted(found, key=lambda change: change[0])
 
     def ranks(self) -> list[dict]:
@@ -150,7 +166,7 @@ class Pod:
             if not path.name.isdigit():
                 continue
             try:
-                words, age = path.read_text().split(), time.time() - path.stat().st_mtime
+                words, age = path.read_text(errors="replace").split(), time.time() - path.stat().st_mtime
             except OSError:
                 continue
             fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
@@ -161,12 +177,15 @@ class Pod:
 
 
 def merge(data: dict[str, str], update: dict[str, str]) -> dict[str, str]:
-    """The ConfigMap's data after `update`. An attempt's failure keeps the hang report that caused it."""
+    """The ConfigMap's data after `update`. An attempt's failure keeps the hang report that caused it; the reason
+    (why the last attempt ended) goes once the job is done."""
     merged = dict(data)
     if (update.get("state") == "failed" and data.get("state") == "hung" and data.get("run")
             and update.get("run") == data["run"]):
         update = {k: v for k, v in update.items() if k != "reason"}
     merged.update(update)
+    if merged.get("state") == "done":
+        merged.pop("reason", None)
     merged["updated"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     merged["summary"] = summary(merged)
     return merged
@@ -184,10 +203,12 @@ class ConfigMap:
     def apply(self, update: dict[str, str]) -> None:
         """Read, merge, write with the read's resourceVersion: a concurrent patch from another pod fails this one
         (409), and the caller tries again."""
-        current = self.api.read_namespaced_config_map(self.name, self.namespace)
-        body = {"metadata": {"resourceVersion": current.metadata.resource_version},
-                "data": merge(current.data or {}, update)}
-        self.api.patch_namespaced_config_map(self.name, self.namespace, body)
+        current = self.api.read_namespaced_config_map(self.name, self.namespace, _request_timeout=API_TIMEOUT)
+        data = merge(current.data or {}, update)
+        if "reason" not in data:  # merge dropped it: a merge patch removes a key only when told to with null
+            data = {**data, "reason": None}
+        body = {"metadata": {"resourceVersion": current.metadata.resource_version}, "data": data}
+        self.api.patch_namespaced_config_map(self.name, self.namespace, body, _request_timeout=API_TIMEOUT)
 
 
 def serve_metrics(pod: Pod, port: int, release: str) -> bool:
@@ -249,7 +270,11 @@ def serve_metrics(pod: Pod, port: int, release: str) -> bool:
 
     registry = CollectorRegistry()
     registry.register(Collector())
-    start_http_server(port, registry=registry)
+    try:
+        start_http_server(port, registry=registry)
+    except OSError as err:  # the port is taken: the ConfigMap is still kept
+        log(f"no metrics: port {port}: {err}")
+        return False
     log(f"serving metrics on :{port}/metrics")
     return True
 
@@ -272,7 +297,7 @@ def main(argv: list[str]) -> int:
         except Exception as err:  # noqa: BLE001 - no token, no cluster, no client: the metrics still work
             log(f"not publishing to ConfigMap {args.configmap}: {type(err).__name__}: {err}")
     pending: dict[str, str] = {}
-    last_error = ""
+    last_error, final_tries = "", FINAL_TRIES
     while True:
         for _, fields in pod.changes():
             pending = merge(pending, fields) if pending else dict(fields)
@@ -286,7 +311,11 @@ def main(argv: list[str]) -> int:
                     log(f"could not patch ConfigMap {args.configmap} (trying again): {type(err).__name__}: "
                         f"{last_error.splitlines()[0] if last_error else ''}")
         if stopping:
-            return 0
+            final_tries -= 1
+            if not (configmap and pending) or final_tries <= 0:
+                return 0
+            time.sleep(0.2)  # the pod's grace period is long; a conflict clears in one more read
+            continue
         time.sleep(POLL_S)
 
 
