@@ -234,19 +234,19 @@ def test_goodput_splits_every_attempt_and_leaves_odd_records_out(tmp_path, monke
     t0 = 1_000_000.0
 
     def record(attempt, begun, first, restore, saves, productive, at_step, resumed, last, updated, run):
-        (job / f"{attempt:04d}.json").write_text(json.dumps(
+        (job / f"{int(begun * 1000):014d}-{attempt:04d}.json").write_text(json.dumps(
             {"begun": begun, "first_step": first, "restore_s": restore, "save_s": saves, "productive_s": productive,
              "at_step": at_step, "resumed_from": resumed, "last_step": last, "updated": updated, "run": run}))
 
     record(1, t0, t0 + 10, 0.0, 1.0, 25.0, {"10": 10.0, "20": 20.0}, 0, 24, t0 + 36, "run-0001-abcd1234")
-    (job / "0001.step").write_text("25 26.000000 1000037.000000\n")  # one step after the last flush
+    (job / f"{int(t0 * 1000):014d}-0001.step").write_text("25 26.000000 1000037.000000\n")  # after the last flush
     record(2, t0 + 38, t0 + 45, 1.0, 0.5, 12.0, {"30": 10.0}, 20, 32, t0 + 58.5, "run-0002-abcd1234")
     report = tmp_path / "diagnostics" / "run-0002-abcd1234" / "w-1.txt"
     report.parent.mkdir(parents=True)
     report.write_text("hang on w-1 (run-0002-abcd1234): rank 1 made no progress for 11s\n")
     os.utime(report, (t0 + 70.5, t0 + 70.5))
-    (job / "0004.json").write_text('{"begun": "yesterday"}')
-    (job / "0005.json").write_text('{"begun": 1')
+    (job / "00000000000004-0004.json").write_text('{"begun": "yesterday"}')
+    (job / "00000000000005-0005.json").write_text('{"begun": 1')
     monkeypatch.setenv("DS_RUN_ID", "run-0003-abcd1234")
     monkeypatch.setenv("DS_ATTEMPT", "3")
     monkeypatch.setenv("DS_ATTEMPT_BEGUN", str(t0 + 72))

@@ -2,9 +2,9 @@
 recomputation (steps a failure lost, trained again from the last complete checkpoint), time hung, and what none of
 them measured (`unaccounted`, reported, never folded in).
 
-Rank 0 keeps one record per attempt in <checkpoint_dir>/goodput/<job>/<attempt>.json (replaced atomically, at most
-every FLUSH_S and at every save and at the end), and beside it <attempt>.step, one fixed-width line that every step
-rewrites in place (one pwrite, as the heartbeat: `last_step productive_s updated`), with wall-clock times:
+Rank 0 keeps one record per attempt in <checkpoint_dir>/goodput/<job>/<begun ms>-<attempt>.json (replaced atomically,
+at most every FLUSH_S, at every save and at the end), and beside it the same name .step, one fixed-width line that
+every step rewrites in place (one pwrite, as the heartbeat: `last_step productive_s updated`); wall-clock times:
 - `begun`: when the attempt began (DS_ATTEMPT_BEGUN from the chart's ledger, files/attempts.py; else this
   process's start)
 - `first_step`: when its first step started; `restore_s`: its checkpoint load; `save_s`: its saves
@@ -46,18 +46,22 @@ class Goodput:
         run = os.environ.get("DS_RUN_ID", "")
         self.directory = ckpt_dir / "goodput" / (run.rsplit("-", 1)[-1] if run else "local") if ckpt_dir else None
         attempt = os.environ.get("DS_ATTEMPT", "")
-        self.path = self.directory / f"{int(attempt) if attempt.isdigit() else 1:04d}.json" if self.directory else None
         try:
             begun = float(os.environ.get("DS_ATTEMPT_BEGUN", ""))
         except ValueError:
             begun = _process_start()
+        # Named by its start, then its number: in time order, also where each launcher pod numbers its own attempts
+        # (ssh without a shared claim), so that a new pod's attempt 1 is not the old pod's.
+        name = f"{int(begun * 1000):014d}-{int(attempt) if attempt.isdigit() else 1:04d}.json"
+        self.path = self.directory / name if self.directory else None
         self.record = {"begun": begun, "first_step": None, "restore_s": restore_s, "save_s": 0.0,
                        "productive_s": 0.0, "at_step": {}, "resumed_from": resumed_from, "last_step": resumed_from,
                        "updated": time.time(), "run": run}
         self.flushed = 0.0
         self.tail: int | None = None  # <attempt>.step, open for the per-step pwrite
-        if self.path and self.path.exists() and not attempt.isdigit():
-            self.path.unlink()  # a local rerun without the chart's ledger starts its own record
+        if self.directory and not run and self.directory.is_dir():  # a run outside the chart is a job of its own
+            for old in self.directory.iterdir():
+                old.unlink(missing_ok=True)
 
     def step(self, step: int, started: float, seconds: float) -> None:
         """A step that started at wall time `started` took `seconds`."""
@@ -111,12 +115,13 @@ class Goodput:
                     continue
                 try:
                     step, productive, updated = path.with_suffix(".step").read_text().split()
-                    if int(step) >= record["last_step"]:  # the last steps, newer than the last flush
-                        record.update(last_step=int(step), productive_s=float(productive), updated=float(updated))
+                    if int(step) > record["last_step"]:  # the last steps, newer than the last flush
+                        record.update(last_step=int(step), productive_s=float(productive),
+                                      updated=max(record["updated"], float(updated)))
                 except (OSError, ValueError):
                     pass
                 records[path.name] = record
-        records[self.path.name if self.path else "0001.json"] = self.record
+        records[self.path.name if self.path else "current"] = self.record
         attempts = [records[name] for name in sorted(records)]
         split = dict.fromkeys(BUCKETS, 0.0)
         start = attempts[0]["begun"]

@@ -58,6 +58,7 @@ _training_fd: int | None = None  # the state file, open while its state is `trai
 _progress: dict = {}  # what rank 0 published so far
 _next_publish = 0.0  # monotonic time after which beat() publishes again
 _last_step: int | None = None  # the step of the last beat(), which publish() adds when given none
+_publishing = False  # publish() is writing: a signal handler's report() in between only updates _progress
 
 
 def _path() -> Path | None:
@@ -153,7 +154,7 @@ def _rank() -> str:
 def publish(**fields) -> None:
     """Rank 0: merges `fields` (None leaves a field as it was) into PROGRESS, with the step time and the attempt
     counter, and replaces the file; other ranks, or no DS_RANK_STATE_DIR: nothing. Errors are ignored."""
-    global _next_publish
+    global _next_publish, _publishing
     directory = os.environ.get("DS_RANK_STATE_DIR")
     if not directory or _rank() != "0":
         return
@@ -164,14 +165,28 @@ def publish(**fields) -> None:
                       for key, value in fields.items() if value is not None})  # a NaN loss says "nan"
     _progress.update({key: os.environ[env] for key, env in ATTEMPT_ENV.items() if env in os.environ})
     _progress.update(step_s=round(_step_s, 6), time=time.time())
+    if _publishing:  # a signal handler interrupted a write: that write's next turn carries this too
+        return
+    _publishing = True
     path = Path(directory) / PROGRESS
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(_progress, default=str))
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except Exception:  # noqa: BLE001 - progress must never take a rank down (a program's unencodable field)
+        for key in [k for k, v in _progress.items() if not _encodes(v)]:
+            del _progress[key]
+    finally:
+        _publishing = False
+
+
+def _encodes(value) -> bool:
+    try:
+        json.dumps(value, default=str)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def clear() -> None:

@@ -89,12 +89,14 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
         assert resumed >= 40 and max(step_losses(retry)) == 300
         assert checkpoint.is_complete(ckpt / "step_00000300")
-        # Goodput: the time hung is the watchdog's silence, which began at the test's stop (within a step) and
-        # ended at its report; the steps after the resumed checkpoint are recomputation.
+        # Goodput: time hung runs from the last step, within a step of the test's stop, to the first watchdog's
+        # report; the steps after the checkpoint the retry resumed from (saved every 20 steps) are recomputation.
         split = json.loads((ckpt / "metrics.json").read_text())["goodput_s"]
-        reported = max(p.stat().st_mtime for p in diagnostics) - stopped_wall
+        stopped_step = max(int(n) for n in re.findall(r"made no progress for \d+s \(budget \d+s, \w+ after step "
+                                                      r"(\d+)\)", log))
+        reported = min(p.stat().st_mtime for p in diagnostics) - stopped_wall
         assert abs(split["hung"] - reported) < 3, (split, reported)
-        assert split["attempts"] == 2 and split["recomputation"] >= 0, split
+        assert split["attempts"] == 2 and (split["recomputation"] > 0) == (stopped_step > resumed), (split, resumed)
         assert abs(split["unaccounted"]) < max(0.02 * split["wall"], 3), split
 
 
