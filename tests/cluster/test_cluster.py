@@ -355,6 +355,12 @@ def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_pla
                    "--timestamps", "--tail=-1", namespace=namespace)
     assert "starting the run, attempt 2 (1 of 2 failures used, 0 preemptions)" in logs, logs[-4000:]
     assert "resumed from /checkpoints/step_" in logs and "INFO step 120/120" in logs
+    # Worker 0's sidecar (rank 0 and the ledger in one pod) left the job's last word, goodput over both attempts.
+    final = wait_for(lambda: (data := progress_data(namespace)).get("state") == "done" and data, 30,
+                     "the progress ConfigMap to say done", lambda: str(progress_data(namespace)))
+    assert "step 120/120 (100.0%)" in final["summary"], final
+    assert "attempt 2 (1 of 2 failures used, 0 preemptions)" in final["summary"], final
+    assert final["goodput"].endswith("(2 attempts)"), final
 
 
 def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_template(namespace, shared_claim):
