@@ -156,6 +156,7 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
         assert re.search(r"INFO goodput \d+\.\d% \| wall [\d.]+s = productive [\d.]+s \+ start-up [\d.]+s \+ "
                          r"restore [\d.]+s \+ save [\d.]+s \+ recomputation [\d.]+s \+ hung 0\.0s \+ unaccounted "
                          r"-?[\d.]+s \(6 attempts\)", log), log[-2000:]
+        print(re.search(r"goodput .*", log)[0], split, f"test's clock: {job_ended - job_started:.1f}s")
         assert f"collective timeout {COLLECTIVE_TIMEOUT_MINUTES} min | attempt 6 (3 of 3 failures used, " \
                "2 preemptions)" in log  # rank 0's start line
         assert max(step_losses(log)) == 300
