@@ -59,6 +59,8 @@ class Goodput:
                        "updated": time.time(), "run": run}
         self.flushed = 0.0
         self.tail: int | None = None  # <attempt>.step, open for the per-step pwrite
+        self._past: dict[str, dict] | None = None  # the earlier attempts' records (_past_records)
+        self._hangs: dict[str, float | None] = {}  # run -> its first hang report's time (_hang_reported)
         if self.directory and not run and self.directory.is_dir():  # a run outside the chart is a job of its own
             for old in self.directory.iterdir():
                 old.unlink(missing_ok=True)
@@ -104,24 +106,7 @@ class Goodput:
 
     def job(self) -> dict:
         """The whole job so far: every attempt's record (this one as it is now), split into BUCKETS."""
-        records = {}
-        if self.directory and self.directory.is_dir():
-            for path in sorted(self.directory.glob("[0-9]*.json")):
-                try:
-                    record = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-                if not _valid(record):
-                    continue
-                try:
-                    step, productive, updated = path.with_suffix(".step").read_text().split()
-                    if int(step) > record["last_step"]:  # the last steps, newer than the last flush
-                        record.update(last_step=int(step), productive_s=float(productive),
-                                      updated=max(record["updated"], float(updated)))
-                except (OSError, ValueError):
-                    pass
-                records[path.name] = record
-        records[self.path.name if self.path else "current"] = self.record
+        records = {**self._past_records(), self.path.name if self.path else "current": self.record}
         attempts = [records[name] for name in sorted(records)]
         split = dict.fromkeys(BUCKETS, 0.0)
         start = attempts[0]["begun"]
@@ -145,19 +130,42 @@ class Goodput:
         return {**{k: round(v, 3) for k, v in split.items()}, "wall": round(wall, 3),
                 "unaccounted": round(wall - sum(split.values()), 3), "attempts": len(attempts)}
 
+    def _past_records(self) -> dict[str, dict]:
+        """The earlier attempts' records, read once: they are over by the time this one logs a step."""
+        if self._past is None:
+            self._past = {}
+            paths = sorted(self.directory.glob("[0-9]*.json")) if self.directory and self.directory.is_dir() else []
+            for path in (p for p in paths if not self.path or p.name != self.path.name):
+                try:
+                    record = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if not _valid(record):
+                    continue
+                try:
+                    step, productive, updated = path.with_suffix(".step").read_text().split()
+                    if int(step) > record["last_step"]:  # the last steps, newer than the last flush
+                        record.update(last_step=int(step), productive_s=float(productive),
+                                      updated=max(record["updated"], float(updated)))
+                except (OSError, ValueError):
+                    pass
+                self._past[path.name] = record
+        return self._past
+
     def _hang_reported(self, run: str) -> float | None:
-        """When a watchdog reported the run hung, just before it killed the ranks (the first report); None if
-        none did."""
+        """When a watchdog reported the (earlier) run hung, just before it killed the ranks (the first report);
+        None if none did. Read once a run."""
         if not run or self.directory is None:
             return None
-        reports = self.directory.parent.parent / "diagnostics" / run
-        times = []
-        for path in reports.glob("*.txt"):
-            try:
-                times.append(path.stat().st_mtime)
-            except OSError:
-                continue
-        return min(times, default=None)
+        if run not in self._hangs:
+            times = []
+            for path in (self.directory.parent.parent / "diagnostics" / run).glob("*.txt"):
+                try:
+                    times.append(path.stat().st_mtime)
+                except OSError:
+                    continue
+            self._hangs[run] = min(times, default=None)
+        return self._hangs[run]
 
 
 def _valid(record) -> bool:
