@@ -7,8 +7,6 @@ import json
 import os
 import re
 import runpy
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ import pytest
 
 from tests.e2e.harness import wait_for
 from tests.helm_template import ROOT
+from tests.prometheus import DASHBOARD, PROMETHEUS, dashboard_queries, free_port, query, scraping
 
 FILES = ROOT / "charts" / "deepspeed-training" / "files"
 sys.path.insert(0, str(FILES))
@@ -51,12 +50,6 @@ rankstate.publish(mfu=0.41, checkpoint_save_s=0.8, goodput={"productive": 50.0, 
                   "save": 2.0, "recomputation": 0.5, "hung": 0.0, "wall": 60.0, "unaccounted": 0.5, "attempts": 1},
                   goodput_line="goodput 83.3% | wall 60.0s = ...")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:
@@ -164,21 +157,6 @@ def test_a_programs_odd_progress_file_never_takes_the_sidecar_down(state_dir, co
     assert [r["step"] for r in progress.Pod(state_dir).ranks()] == [None]  # its metrics leave the step out
 
 
-DASHBOARD = ROOT / "charts" / "deepspeed-training" / "dashboards" / "deepspeed-training.json"
-PROMETHEUS = shutil.which("prometheus")
-
-
-def prometheus_query(port: int, expr: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            answer = json.loads(response.read())
-    except OSError:
-        return []
-    assert answer["status"] == "success", answer
-    return answer["data"]["result"]
-
-
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary: `make setup` installs Debian's")
 def test_a_real_prometheus_scrapes_the_sidecar_and_every_dashboard_query_returns_a_series(state_dir, tmp_path):
     env = {**os.environ, "DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPT": "1", "DS_FAILURES": "0",
@@ -186,27 +164,18 @@ def test_a_real_prometheus_scrapes_the_sidecar_and_every_dashboard_query_returns
     for rank, steps in (("0", 7), ("1", 6)):
         subprocess.run([sys.executable, "-c", RANKS + GOODPUT, rank, str(steps)], env={**env, "RANK": rank},
                        cwd=ROOT, check=True)
-    metrics_port, prometheus_port = free_port(), free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
-        {"job_name": "deepspeed", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}]}))
+    metrics_port = free_port()
     sidecar = start_sidecar(state_dir, metrics_port)
-    server = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                               f"--web.listen-address=127.0.0.1:{prometheus_port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: prometheus_query(prometheus_port, 'deepspeed_training_rank_step{rank="1"}'), 60,
-                 "prometheus to scrape the sidecar")
-        dashboard = json.loads(DASHBOARD.read_text())
-        exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-        assert len(exprs) >= 14
-        for expr in exprs:
-            series = prometheus_query(prometheus_port, expr.replace("$release", "team-a-run"))
-            assert series and all(s["metric"].get("release") == "team-a-run" for s in series), expr
-        variable = dashboard["templating"]["list"][1]["query"]["query"]
+        with scraping([f"127.0.0.1:{metrics_port}"]) as port:
+            wait_for(lambda: query(port, 'deepspeed_training_rank_step{rank="1"}'), 60, "prometheus to scrape")
+            exprs = dashboard_queries("team-a-run")
+            assert len(exprs) >= 14
+            for expr in exprs:
+                series = query(port, expr)
+                assert series and all(s["metric"].get("release") == "team-a-run" for s in series), expr
+        variable = json.loads(DASHBOARD.read_text())["templating"]["list"][1]["query"]["query"]
         assert variable == "label_values(deepspeed_training_step, release)"
     finally:
-        server.terminate()
         sidecar.terminate()
-        server.communicate(timeout=30)
         sidecar.communicate(timeout=30)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helm_template import CHART, HELM
+from tests.prometheus import PROMETHEUS, dashboard_queries, query, scraping
 from tests.train_run import cpu_ds_config
 
 sys.path.insert(0, str(CHART / "files"))
@@ -205,6 +206,21 @@ def check_progress_while_training(namespace: str) -> None:
           + "\n".join(line for line in metrics.splitlines() if not line.startswith("#")))
 
 
+def check_the_dashboard_on_a_real_prometheus(namespace: str) -> None:
+    """A real Prometheus on this host scrapes both workers' sidecars (pod IPs: the local cluster's bridge), and
+    every query of the chart's dashboard returns a series for this release."""
+    if not (PROMETHEUS and os.environ.get("LOCAL_K8S")):
+        print("dashboard queries not run here: needs `prometheus` (make setup) and the local cluster's pod network")
+        return
+    pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=worker", "-o", "json",
+                              namespace=namespace))["items"]
+    with scraping([f"{p['status']['podIP']}:9400" for p in pods]) as port:
+        wait_for(lambda: len(query(port, "deepspeed_training_rank_step")) == 2
+                 and query(port, "deepspeed_training_goodput_seconds"), 60, "Prometheus to scrape both workers")
+        for expr in dashboard_queries(f"{namespace}/{RELEASE}"):
+            assert query(port, expr), expr
+
+
 def test_install_trains_to_completion_with_restricted_pods_and_scales_down(namespace):
     install(namespace, steps=60)
     # While the workers run: what the kubelet made of the pod specs.
@@ -368,10 +384,13 @@ def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_templa
     a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds.
     The runs are endless (150 steps take 2 s here: the first run could end before the upgrade lands); the test
     needs the new launcher's first run to resume and train on, not to finish."""
-    values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10}}
+    # peak_tflops: an MFU on CPU, for the dashboard's MFU panel.
+    values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10,
+                                                                               "peak_tflops": 1.0}}
     install(namespace, steps=100000, launcher={"scaleDownWorkers": False}, **values)
     wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
              lambda: diagnose(namespace))
+    check_the_dashboard_on_a_real_prometheus(namespace)
     # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
     install(namespace, steps=100000, action="upgrade", launcher={"scaleDownWorkers": False},
             worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)

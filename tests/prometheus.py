@@ -1,0 +1,59 @@
+"""A real Prometheus (Debian's `prometheus`, which `make setup` installs) for the tests: scrape targets, query,
+and the dashboard's queries (charts/deepspeed-training/dashboards/deepspeed-training.json)."""
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from tests.helm_template import ROOT
+
+PROMETHEUS = shutil.which("prometheus")
+DASHBOARD = ROOT / "charts" / "deepspeed-training" / "dashboards" / "deepspeed-training.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def query(port: int, expr: str) -> list:
+    """The series `expr` returns now ([] while Prometheus is not up)."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            answer = json.loads(response.read())
+    except OSError:
+        return []
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def dashboard_queries(release: str) -> list[str]:
+    """Every query of the dashboard, for one release (its `$release` variable)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"].replace("$release", release) for p in dashboard["panels"] for t in p["targets"]]
+
+
+@contextlib.contextmanager
+def scraping(targets: list[str]):
+    """A Prometheus scraping `targets` (host:port) every second; yields its HTTP port."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "prometheus.yml"
+        config.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+            {"job_name": "deepspeed", "static_configs": [{"targets": targets}]}]}))
+        server = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp}/tsdb",
+                                   f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        try:
+            yield port
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
