@@ -220,7 +220,9 @@ def test_the_progress_role_patches_one_configmap_and_only_the_sidecar_holds_its_
         assert token_mounts(pod) == {"progress": ["progress-token"], main: []}
         sidecar = pod["initContainers"][0]
         assert sidecar["restartPolicy"] == "Always"  # a native sidecar: the Job's pod ends with its main container
-        assert sidecar["command"][2:] == ["--configmap", "job-deepspeed-training-progress", "--metrics-port", "9400"]
+        assert sidecar["command"][1:3] == ["-I", "/etc/deepspeed/scripts/progress.py"]
+        assert sidecar["command"][3:] == ["--configmap", "job-deepspeed-training-progress", "--metrics-port", "9400"]
+        assert sidecar["image"] == pod["containers"][0]["image"]  # progress.image empty: the workers' image
         assert sidecar["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
         assert sidecar["securityContext"] == pod["containers"][0]["securityContext"]
         assert {"name": "tmp", "mountPath": "/tmp", "readOnly": True} in sidecar["volumeMounts"]
@@ -526,3 +528,14 @@ def test_metrics_scrapers_name_labels_and_the_metrics_port_is_its_own():
         with pytest.raises(HelmError) as err:
             render_chart(values)
         assert f"progress.metricsPort: 9400 is also {taken}" in err.value.stderr
+
+
+def test_a_platform_pins_the_sidecars_image_and_nothing_else_is_taken_as_one():
+    pinned = "registry.example.com/platform/progress@sha256:" + "a" * 64
+    for workload in workloads(render_chart({"progress": {"image": pinned}})):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["initContainers"][0]["image"] == pinned and pod["containers"][0]["image"] != pinned
+    for hostile in ("evil\n  command: [sh]", "registry.example.com/progress", "a b:1", "x:1; rm -rf /"):
+        with pytest.raises(HelmError) as err:
+            render_chart({"progress": {"image": hostile}})
+        assert "/progress/image" in err.value.stderr, hostile

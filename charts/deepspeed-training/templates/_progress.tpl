@@ -23,10 +23,11 @@ as) would let them patch this release's progress, its labels included. */}}
 {{- if .enabled }}
 initContainers:
   - name: progress
-    image: {{ include "deepspeed-training.image" $root | quote }}
+    image: {{ .image | default (include "deepspeed-training.image" $root) | quote }}
     imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
     restartPolicy: Always
-    command: ["python3", "{{ include "deepspeed-training.scriptsDir" $root }}/progress.py",
+    # -I: no PYTHONPATH, PYTHONSTARTUP or user site-packages reach the process that holds the token.
+    command: ["python3", "-I", "{{ include "deepspeed-training.scriptsDir" $root }}/progress.py",
               {{- if include "deepspeed-training.progressPublishes" $root }}
               "--configmap", {{ include "deepspeed-training.progressName" $root | quote }},
               {{- end }}
