@@ -67,6 +67,17 @@ def state_dir(tmp_path):
     return directory
 
 
+def run_ranks(state_dir: Path, attempt: int, failures: int, preemptions: int) -> None:
+    """Ranks 0 (7 steps) and 1 (6 steps) of an attempt, as the chart starts them, through the real rankstate. The
+    state files are named by pid and the processes are gone: they stay as a live rank's would."""
+    env = {**os.environ, "DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPT": str(attempt),
+           "DS_FAILURES": str(failures), "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": str(preemptions),
+           "DS_RUN_ID": f"run-{attempt:04d}-abcd"}
+    for rank, steps in (("0", 7), ("1", 6)):
+        subprocess.run([sys.executable, "-c", RANKS + GOODPUT, rank, str(steps)], env={**env, "RANK": rank},
+                       cwd=ROOT, check=True)
+
+
 def start_sidecar(state_dir: Path, port: int, *args: str) -> subprocess.Popen:
     env = {"PATH": os.environ["PATH"], "DS_RANK_STATE_DIR": str(state_dir), "DS_RELEASE": "team-a-run",
            "PYTHONUNBUFFERED": "1"}
@@ -75,12 +86,7 @@ def start_sidecar(state_dir: Path, port: int, *args: str) -> subprocess.Popen:
 
 
 def test_metrics_show_rank_0s_progress_every_ranks_step_and_the_attempt(state_dir):
-    env = {**os.environ, "DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPT": "3", "DS_FAILURES": "1",
-           "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": "1", "DS_RUN_ID": "run-0003-abcd"}
-    for rank, steps in (("0", 7), ("1", 6)):
-        # The state files are named by pid and the ranks' processes are gone: keep them as a live rank's would be.
-        subprocess.run([sys.executable, "-c", RANKS + GOODPUT, rank, str(steps)], env={**env, "RANK": rank},
-                       cwd=ROOT, check=True)
+    run_ranks(state_dir, attempt=3, failures=1, preemptions=1)
     port = free_port()
     sidecar = start_sidecar(state_dir, port, "--configmap", "job-progress")
     try:
@@ -159,11 +165,7 @@ def test_a_programs_odd_progress_file_never_takes_the_sidecar_down(state_dir, co
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary: `make setup` installs Debian's")
 def test_a_real_prometheus_scrapes_the_sidecar_and_every_dashboard_query_returns_a_series(state_dir, tmp_path):
-    env = {**os.environ, "DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPT": "1", "DS_FAILURES": "0",
-           "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": "0", "DS_RUN_ID": "run-0001-abcd"}
-    for rank, steps in (("0", 7), ("1", 6)):
-        subprocess.run([sys.executable, "-c", RANKS + GOODPUT, rank, str(steps)], env={**env, "RANK": rank},
-                       cwd=ROOT, check=True)
+    run_ranks(state_dir, attempt=1, failures=0, preemptions=0)
     metrics_port = free_port()
     sidecar = start_sidecar(state_dir, metrics_port)
     try:
