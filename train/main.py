@@ -188,11 +188,11 @@ def train_step(engine, inputs: Inputs, position: int) -> tuple[torch.Tensor, int
 def attempt_summary() -> str:
     """The job's attempt counter, as the chart's pod scripts give it to every rank (files/attempts.py: DS_ATTEMPT,
     DS_FAILURES, DS_FAILURE_BUDGET, DS_PREEMPTIONS); nothing outside the chart."""
-    env = {k: os.environ.get(k, "") for k in ("DS_ATTEMPT", "DS_FAILURES", "DS_FAILURE_BUDGET", "DS_PREEMPTIONS")}
+    env = {key: os.environ.get(name, "") for key, name in rankstate.ATTEMPT_ENV.items() if key != "run"}
     if not all(v.isdigit() for v in env.values()):
         return ""
-    return (f" | attempt {env['DS_ATTEMPT']} ({env['DS_FAILURES']} of {env['DS_FAILURE_BUDGET']} failures used, "
-            f"{env['DS_PREEMPTIONS']} preemption{'' if env['DS_PREEMPTIONS'] == '1' else 's'})")
+    return (f" | attempt {env['attempt']} ({env['failures']} of {env['failure_budget']} failures used, "
+            f"{env['preemptions']} preemption{'' if env['preemptions'] == '1' else 's'})")
 
 
 def agree(step_loss: torch.Tensor, stop: StopFlag, compute_s: float, rank: int, world_size: int
