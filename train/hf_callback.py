@@ -1,33 +1,61 @@
-"""Hang detection and progress for Hugging Face Trainer programs, at the cost of one line:
+"""Hang detection, progress and goodput for Hugging Face Trainer programs, at the cost of one line:
 `Trainer(..., callbacks=[RankHeartbeat()])`. The rank beats after every optimizer step (train/rankstate.py, which
 the chart's watchdog reads), reports `saving` while the Trainer writes a checkpoint and stays alive through
 evaluation, so that neither is taken for a hang; the watchdog's stack dump works from the first report. Rank 0
 also publishes what the Trainer logs (loss, learning rate, total steps, the last checkpoint), which the chart's
-progress ConfigMap and metrics show."""
+progress ConfigMap and metrics show, and keeps the job's goodput records (train/goodput.py) in DS_CHECKPOINT_DIR
+(else the output dir), printing the split at the end.
 
+What the Trainer's hooks can measure differs from the train package in two places: a checkpoint restore runs before
+any callback (`on_train_begin`), so it counts as start-up here; and an evaluation's time, which is none of the
+buckets, shows as unaccounted."""
+
+import os
 import time
+from pathlib import Path
 
 from transformers import TrainerCallback
 
 from train import rankstate
+from train.goodput import Goodput
+from train.goodput import describe as goodput_line
 
 
 class RankHeartbeat(TrainerCallback):
     def __init__(self):
         self._logged: tuple[int, float] | None = None  # (step, time) of the previous log, for tokens/s and ETA
+        self._goodput: Goodput | None = None  # rank 0's record of this attempt
+        # Wall time a step's time counts from: the end of the step before it, or of the save or evaluation after
+        # that step (the Trainer fetches a step's batches before on_step_begin, so that hook would leave them out).
+        self._mark = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         rankstate.publish(steps=state.max_steps or None)
         rankstate.report("starting")  # the start-up budget, until the first step
+        if state.is_world_process_zero:  # the Trainer has loaded its checkpoint by now: global_step is where it resumed
+            self._goodput = Goodput(Path(os.environ.get("DS_CHECKPOINT_DIR") or args.output_dir), state.global_step,
+                                    restore_s=0.0)
+        self._mark = time.time()
 
     def on_step_end(self, args, state, control, **kwargs):
+        now = time.time()
+        if self._goodput:
+            self._goodput.step(state.global_step, self._mark, now - self._mark)
+        self._mark = now
         rankstate.beat(state.global_step)
         if control.should_save:  # the Trainer's own flow callback, which runs first, asked for a save next
             rankstate.report("saving", state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
+        now = time.time()
+        if self._goodput:
+            self._goodput.saved(state.global_step, now - self._mark)
+        self._mark = now
         rankstate.publish(checkpoint_step=state.global_step)
         rankstate.beat(state.global_step)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._mark = time.time()  # evaluation is not a step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs, now, eta_s = logs or {}, time.monotonic(), None
@@ -35,12 +63,20 @@ class RankHeartbeat(TrainerCallback):
             per_step = (now - self._logged[1]) / (state.global_step - self._logged[0])
             eta_s = round(per_step * (state.max_steps - state.global_step), 1)
         self._logged = (state.global_step, now)
+        split = self._goodput.job() if self._goodput else None
         rankstate.publish(step=state.global_step, steps=state.max_steps or None, loss=logs.get("loss"),
-                          lr=logs.get("learning_rate"), eta_s=eta_s)
+                          lr=logs.get("learning_rate"), eta_s=eta_s, goodput=split,
+                          goodput_line=goodput_line(split) if split else None)
 
     def on_prediction_step(self, args, state, control, **kwargs):
         rankstate.report("training", state.global_step)  # evaluating: alive, though no step ends
 
     def on_train_end(self, args, state, control, **kwargs):
-        rankstate.publish(state="done", step=state.global_step, eta_s=0)
+        split = None
+        if self._goodput:
+            self._goodput.flush()
+            split = self._goodput.job()
+            print(goodput_line(split), flush=True)  # the job's split, every attempt, as the train package's last line
+        rankstate.publish(state="done", step=state.global_step, eta_s=0, goodput=split,
+                          goodput_line=goodput_line(split) if split else None)
         rankstate.clear()

@@ -23,6 +23,7 @@ mount point, file and process it made, also when a test fails.
 import base64
 import fcntl
 import functools
+import json
 import os
 import pwd
 import re
@@ -456,13 +457,21 @@ class Cluster:
         code = wait(self.start(launcher), timeout=timeout)
         return code, launcher.log()
 
+    def rank_state_dir(self, pod: Pod) -> Path:
+        """The pod's DS_RANK_STATE_DIR, as this machine sees it."""
+        state_dir = container_env(self.docs, pod)["DS_RANK_STATE_DIR"]
+        mounted = max((dst for dst in pod.mounts if Path(state_dir).is_relative_to(dst)), key=len)
+        return pod.mounts[mounted] / Path(state_dir).relative_to(mounted)
+
+    def progress(self, pod: Pod) -> dict:
+        """Rank 0's progress.json in the pod (train/rankstate.py's publish()), as the progress sidecar reads it."""
+        return json.loads((self.rank_state_dir(pod) / "progress.json").read_text())
+
     def rank_states(self, pod: Pod) -> list[str]:
         """The first line of each heartbeat file the pod's ranks keep in DS_RANK_STATE_DIR ("training step=21
         ..."): where a rank is, as the pod's watchdog reads it."""
-        state_dir = container_env(self.docs, pod)["DS_RANK_STATE_DIR"]
-        mounted = max((dst for dst in pod.mounts if Path(state_dir).is_relative_to(dst)), key=len)
         states = []
-        for path in (pod.mounts[mounted] / Path(state_dir).relative_to(mounted)).glob("[0-9]*"):
+        for path in self.rank_state_dir(pod).glob("[0-9]*"):
             if path.name.isdigit():
                 try:
                     states.append(path.read_text().split("\n", 1)[0].strip())

@@ -59,6 +59,7 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
     history = json.loads((claim / "log_history.json").read_text())
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert len(losses) == 5 and losses[-1] < losses[0], losses
+    assert goodput_split(log)["attempts"] == 1, log[-3000:]  # the callback's goodput line, as the train package's
 
     # The next attempt (a redeploy that asks for more steps) resumes from checkpoint-10; one of its ranks then
     # stops. The Trainer's own collective timeout would wait; the heartbeat of the example's one-line callback
@@ -71,17 +72,49 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
         ckpt = cluster.checkpoint_dir()
         wait_for(lambda: (ckpt / "checkpoint-20").is_dir(), 180, "checkpoint-20", launcher.log)
         stop_in_a_step(cluster, workers[1], launcher)
-        stopped_at = time.monotonic()
+        stopped_at, stopped_wall = time.monotonic(), time.time()
         detected_at = wait_for(lambda: "hang on" in launcher.log(), 60, "the hang report", launcher.log)
         code = wait(run, timeout=300)
         log = launcher.log()
+        reports = list((ckpt / "diagnostics").glob("run-*/*.txt"))
+        reported = min(p.stat().st_mtime for p in reports) - stopped_wall if reports else None
+        published = cluster.progress(workers[0])  # rank 0's, for the progress sidecar: the split unrounded
     assert code == 0, log[-5000:]
     assert "hf_trainer: resuming from /checkpoints/checkpoint-10" in log
     assert detected_at - stopped_at < 10 + 15, log[-3000:]
     assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
     retry = log[log.rindex("attempts: attempt 2 ("):]
-    assert re.search(r"hf_trainer: resuming from /checkpoints/checkpoint-(\d+)", retry), retry[-3000:]
+    resumed = re.search(r"hf_trainer: resuming from /checkpoints/checkpoint-(\d+)", retry)
+    assert resumed, retry[-3000:]
     assert "hf_trainer: done at global step 60" in retry
+    # Goodput from the callback, over this job's two attempts: the buckets add up, time hung runs from the last step
+    # to the watchdog's first report (the test's stop, within a step), and the steps after the checkpoint the retry
+    # resumed from are recomputation.
+    assert goodput_split(retry)["attempts"] == 2
+    split = published["goodput"]
+    assert published["state"] == "done" and published["goodput_line"] in retry, published
+    stopped_step = max(int(n) for n in re.findall(r"made no progress for \d+s \(budget \d+s, \w+ after step (\d+)\)",
+                                                  log))
+    buckets = ("productive", "startup", "restore", "save", "recomputation", "hung", "unaccounted")
+    assert abs(sum(split[b] for b in buckets) - split["wall"]) < 0.05, split
+    assert split["attempts"] == 2 and abs(split["unaccounted"]) < max(0.02 * split["wall"], 3), split
+    assert reported is not None and abs(split["hung"] - reported) < 3, (split, reported)
+    assert (split["recomputation"] > 0) == (stopped_step > int(resumed[1])), (split, stopped_step, resumed[1])
+    assert split["productive"] > 0 and split["startup"] > 0, split
+    print(published["goodput_line"], f"| test's clock: hung {reported:.1f}s")
+
+
+def goodput_split(log: str) -> dict:
+    """The last goodput line (train/goodput.py's describe) as numbers; its buckets add up to its wall time."""
+    line = re.findall(r"goodput [\d.]+% \| wall ([\d.]+)s = productive ([\d.]+)s \+ start-up ([\d.]+)s \+ restore "
+                      r"([\d.]+)s \+ save ([\d.]+)s \+ recomputation ([\d.]+)s \+ hung ([\d.]+)s \+ unaccounted "
+                      r"(-?[\d.]+)s \((\d+) attempts?\)", log)
+    assert line, log[-3000:]
+    names = ("wall", "productive", "startup", "restore", "save", "recomputation", "hung", "unaccounted")
+    split = {name: float(value) for name, value in zip(names, line[-1], strict=False)}
+    split["attempts"] = int(line[-1][-1])
+    assert abs(sum(split[name] for name in names[1:]) - split["wall"]) < 0.5, split  # each rounded to 0.1 s
+    return split
 
 
 def stop_in_a_step(cluster: Cluster, worker, launcher) -> None:
