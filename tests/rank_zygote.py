@@ -63,8 +63,13 @@ def run_rank(request: dict, out_fd: int) -> None:
 
 
 def main(path: str) -> int:
-    import deepspeed  # noqa: F401, PLC0415 - the imports every rank would pay for
+    # The imports every rank would pay for, and those it pays lazily on its way to the first step: torch's
+    # optimizers import dynamo at their first construction, and DeepSpeed's optimizer check imports its Muon
+    # optimizer, which torch.compile()s at import (inductor): about 2.5 s of CPU per rank.
+    import deepspeed  # noqa: F401, PLC0415
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401, PLC0415
     import torch  # noqa: F401, PLC0415
+    import torch._dynamo  # noqa: F401, PLC0415
 
     import train.main  # noqa: F401, PLC0415
 
