@@ -35,20 +35,23 @@ def query(port: int, expr: str) -> list:
     return answer["data"]["result"]
 
 
-def dashboard_queries(release: str) -> list[str]:
-    """Every query of the dashboard, for one release (its `$release` variable)."""
+def dashboard_queries(namespace: str, release: str) -> list[str]:
+    """Every query of the dashboard, for one release (its `$namespace` and `$release` variables)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    return [t["expr"].replace("$release", release) for p in dashboard["panels"] for t in p["targets"]]
+    return [t["expr"].replace("$namespace", namespace).replace("$release", release)
+            for p in dashboard["panels"] for t in p["targets"]]
 
 
 @contextlib.contextmanager
-def scraping(targets: list[str]):
-    """A Prometheus scraping `targets` (host:port) every second; yields its HTTP port."""
+def scraping(targets: dict[str, list[str]]):
+    """A Prometheus scraping each namespace's targets (host:port) every second, labelled with the namespace as a
+    PodMonitor's discovery labels them (a label the target cannot set); yields its HTTP port."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "prometheus.yml"
         config.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
-            {"job_name": "deepspeed", "static_configs": [{"targets": targets}]}]}))
+            {"job_name": "deepspeed", "static_configs": [{"targets": hosts, "labels": {"namespace": namespace}}
+                                                         for namespace, hosts in targets.items()]}]}))
         server = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp}/tsdb",
                                    f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)

@@ -78,8 +78,8 @@ def run_ranks(state_dir: Path, attempt: int, failures: int, preemptions: int) ->
                        cwd=ROOT, check=True)
 
 
-def start_sidecar(state_dir: Path, port: int, *args: str) -> subprocess.Popen:
-    env = {"PATH": os.environ["PATH"], "DS_RANK_STATE_DIR": str(state_dir), "DS_RELEASE": "team-a-run",
+def start_sidecar(state_dir: Path, port: int, *args: str, release: str = "team-a-run") -> subprocess.Popen:
+    env = {"PATH": os.environ["PATH"], "DS_RANK_STATE_DIR": str(state_dir), "DS_RELEASE": release,
            "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, str(FILES / "progress.py"), "--metrics-port", str(port), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -165,19 +165,31 @@ def test_a_programs_odd_progress_file_never_takes_the_sidecar_down(state_dir, co
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary: `make setup` installs Debian's")
 def test_a_real_prometheus_scrapes_the_sidecar_and_every_dashboard_query_returns_a_series(state_dir, tmp_path):
+    """Every dashboard query returns this release's series, and only them: a sidecar in another namespace that
+    claims the same release label (code in a tenant's image can set it) stays off this namespace's panels."""
     run_ranks(state_dir, attempt=1, failures=0, preemptions=0)
-    metrics_port = free_port()
-    sidecar = start_sidecar(state_dir, metrics_port)
+    spoof_dir = tmp_path / "team-b"
+    spoof_dir.mkdir()
+    run_ranks(spoof_dir, attempt=9, failures=2, preemptions=5)
+    metrics_port, spoof_port = free_port(), free_port()
+    sidecars = [start_sidecar(state_dir, metrics_port), start_sidecar(spoof_dir, spoof_port, release="team-a-run")]
     try:
-        with scraping([f"127.0.0.1:{metrics_port}"]) as port:
-            wait_for(lambda: query(port, 'deepspeed_training_rank_step{rank="1"}'), 60, "prometheus to scrape")
-            exprs = dashboard_queries("team-a-run")
+        with scraping({"team-a": [f"127.0.0.1:{metrics_port}"], "team-b": [f"127.0.0.1:{spoof_port}"]}) as port:
+            wait_for(lambda: len(query(port, 'deepspeed_training_rank_step{rank="1"}')) == 2, 60,
+                     "prometheus to scrape both")
+            exprs = dashboard_queries("team-a", "team-a-run")
             assert len(exprs) >= 14
             for expr in exprs:
                 series = query(port, expr)
-                assert series and all(s["metric"].get("release") == "team-a-run" for s in series), expr
-        variable = json.loads(DASHBOARD.read_text())["templating"]["list"][1]["query"]["query"]
-        assert variable == "label_values(deepspeed_training_step, release)"
+                assert series and all(s["metric"].get("namespace", "team-a") == "team-a" for s in series), expr
+                assert all(s["metric"].get("release", "team-a-run") == "team-a-run" for s in series), expr
+            attempt = next(e for e in exprs if e.startswith("deepspeed_training_attempt{"))
+            assert [s["value"][1] for s in query(port, attempt)] == ["1"]  # not the spoof's 9
+        variables = {v["name"]: v["query"]["query"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"]
+                     if v["type"] == "query"}
+        assert variables == {"namespace": "label_values(deepspeed_training_step, namespace)",
+                             "release": 'label_values(deepspeed_training_step{namespace=~"$namespace"}, release)'}
     finally:
-        sidecar.terminate()
-        sidecar.communicate(timeout=30)
+        for sidecar in sidecars:
+            sidecar.terminate()
+            sidecar.communicate(timeout=30)

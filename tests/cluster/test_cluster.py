@@ -214,10 +214,10 @@ def check_the_dashboard_on_a_real_prometheus(namespace: str) -> None:
         return
     pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=worker", "-o", "json",
                               namespace=namespace))["items"]
-    with scraping([f"{p['status']['podIP']}:9400" for p in pods]) as port:
+    with scraping({namespace: [f"{p['status']['podIP']}:9400" for p in pods]}) as port:
         wait_for(lambda: len(query(port, "deepspeed_training_rank_step")) == 2
                  and query(port, "deepspeed_training_goodput_seconds"), 60, "Prometheus to scrape both workers")
-        for expr in dashboard_queries(f"{namespace}/{RELEASE}"):
+        for expr in dashboard_queries(namespace, f"{namespace}/{RELEASE}"):
             assert query(port, expr), expr
 
 
