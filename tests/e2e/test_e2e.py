@@ -6,6 +6,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,6 +105,9 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
         job_started = time.time()  # the test's own clock: the first launcher pod starts
         process = cluster.start(launcher)
         pod_logs, preempted_at = [], []
+        # Its timeline of start-up: from the end of the attempt before (the job's start, a crash's kill, a
+        # preemption's SIGTERM, the old ranks' end after a lost pod) to the attempt's first logged step.
+        ended_at, startup_seen = time.monotonic() - (time.time() - job_started), 0.0
 
         def trains(attempt: int) -> bool:
             after = launcher.log().split(f"attempts: attempt {attempt} (")
@@ -120,18 +124,28 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
             return code
 
         for attempt, fault in enumerate(("lost", "crash", "preemption", "crash", "preemption"), start=1):
-            wait_for(lambda a=attempt: trains(a), 180, f"attempt {attempt} to train", lambda: launcher.log()[-3000:])
+            startup_seen += wait_for(lambda a=attempt: trains(a), 180, f"attempt {attempt} to train",
+                                     lambda: launcher.log()[-3000:], interval=0.02) - ended_at
             if fault == "crash":
                 os.kill(cluster.rank_pids(workers[1], ranks_only=True)[0], signal.SIGKILL)
+                ended_at = time.monotonic()
             elif fault == "preemption":
                 cluster.signal_main(process, signal.SIGTERM)  # the kubelet's signal to PID 1 (eviction, deletion)
+                ended_at = time.monotonic()
                 assert next_pod(attempt + 1, stopped_ranks=True) == 143
                 stopped = re.findall(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", pod_logs[-1])
                 assert stopped and stopped[-1][0] == stopped[-1][1], pod_logs[-1][-3000:]  # it saved that step
                 preempted_at.append(int(stopped[-1][0]))
             else:  # its node is gone: nothing of the pod runs on, not even its SIGTERM trap; the ranks do
+                ranks = [pid for worker in workers for pid in cluster.rank_pids(worker, ranks_only=True)]
                 cluster.kill(launcher)
                 assert next_pod(attempt + 1, stopped_ranks=False) != 0
+                # The ranks train on until the next pod clears them: the attempt ends there.
+                ended_at = wait_for(lambda r=ranks: not any(Path(f"/proc/{pid}").exists() for pid in r), 120,
+                                    "the next pod to clear the old ranks", lambda: launcher.log()[-3000:],
+                                    interval=0.02)
+        startup_seen += wait_for(lambda: trains(6), 180, "attempt 6 to train", lambda: launcher.log()[-3000:],
+                                 interval=0.02) - ended_at
         trained_at = wait_for(lambda: "INFO done: " in launcher.log(), 300, "the last attempt to finish",
                               lambda: launcher.log()[-3000:])
         job_ended = time.time() - (time.monotonic() - trained_at)
@@ -148,6 +162,10 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
         assert abs(split["wall"] - (job_ended - job_started)) < max(0.02 * split["wall"], 3), \
             (split, job_ended - job_started)
         assert split["attempts"] == 6 and split["hung"] == 0 and split["recomputation"] > 0, split
+        # Start-up (with the restores, which it includes on the test's clock) against the test's timeline, which
+        # also holds up to 5 steps per attempt before the first logged one.
+        assert abs(split["startup"] + split["restore"] - startup_seen) < max(0.02 * split["wall"], 3), \
+            (split, startup_seen)
         records = sorted((cluster.checkpoint_dir() / "goodput").glob("*/*.json"))
         assert len(records) == 6, records
         attempts_ = [json.loads(r.read_text()) for r in records]
@@ -156,7 +174,8 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
         assert re.search(r"INFO goodput \d+\.\d% \| wall [\d.]+s = productive [\d.]+s \+ start-up [\d.]+s \+ "
                          r"restore [\d.]+s \+ save [\d.]+s \+ recomputation [\d.]+s \+ hung 0\.0s \+ unaccounted "
                          r"-?[\d.]+s \(6 attempts\)", log), log[-2000:]
-        print(re.search(r"goodput .*", log)[0], split, f"test's clock: {job_ended - job_started:.1f}s")
+        print(re.search(r"goodput .*", log)[0], split,
+              f"test's clock: {job_ended - job_started:.1f}s, start-up {startup_seen:.1f}s")
         assert f"collective timeout {COLLECTIVE_TIMEOUT_MINUTES} min | attempt 6 (3 of 3 failures used, " \
                "2 preemptions)" in log  # rank 0's start line
         assert max(step_losses(log)) == 300
