@@ -1,0 +1,186 @@
+"""How the chart's fixed costs grow with the number of workers (issue: cost that does not grow with workers).
+
+1. Readiness, on namespace hosts (tests/e2e/harness.py; root), no ranks: N worker pods are started at once, then
+   - ssh: the launcher pod runs its real entrypoint (launcher.sh) with `true` as the DeepSpeed command: the
+     ledger, wait-for-workers.sh (DNS, SSH and the worker template of every host), the pdsh fan-out that clears
+     stale ranks on every worker, the run, the end of the attempt. Measured from the last worker pod's start to
+     "all N workers are reachable", to the run's start (the fan-out done), and to the launcher's end, with the
+     launcher pod's peak memory (the largest resident memory of its process tree at once, sampled every 10 ms);
+   - nossh: every worker runs the start barrier (gang-barrier.py, as nossh-worker.sh starts it), measured from
+     the last worker's start to the last worker through.
+   With the time until every worker's entrypoint has started its sshd: on this machine's 2 cores, N pods starting
+   at once compete for the CPU, which a cluster's nodes do not.
+2. The chart alone: `helm template` (with its schema) of N replicas in both modes, and the size of the config
+   ConfigMap (the hostfile is in it) against the API's 1 MiB. The schema caps worker.replicas; this part renders
+   a copy of the chart with the cap raised to measure past it.
+
+    sudo .venv/bin/python bench/scale.py [--hosts 2,8,32,64] [--replicas 64,1024,4096] [--no-readiness]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.chart_pods import UID, e2e_values, render  # noqa: E402
+from tests.e2e.harness import Cluster, ensure_user, namespaces_available, prebuilt_ops_for_pods  # noqa: E402
+from tests.helm_template import CHART, HELM  # noqa: E402
+
+CONFIGMAP_LIMIT = 1 << 20  # the API server's object size limit for a ConfigMap's data
+
+
+def poll(predicate, timeout: float, what: str, interval: float = 0.01) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def rss_mib(pids: set[int]) -> float:
+    """The processes' resident memory now, together."""
+    total = 0
+    for pid in pids:
+        try:
+            total += next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
+def tree(root: int) -> set[int]:
+    """`root` and its descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def readiness_ssh(shared: Path, hosts: int) -> dict:
+    values = e2e_values(shared, workers=hosts)
+    values["job"]["waitTimeoutSeconds"] = 300
+    with Cluster(render(values)) as cluster:
+        workers = cluster.pods_of("worker")
+        for worker in workers:
+            cluster.start(worker)
+        up = time.monotonic()  # the last worker pod started (its sshd not yet listening)
+        launcher = cluster.pods_of("launcher")[0]
+        argv = launcher.container.get("command", []) + launcher.container.get("args", [])
+        script = next(i for i, a in enumerate(argv) if a.endswith("launcher.sh"))
+        process = cluster.start(launcher, argv=[*argv[:script + 1], "true"])
+        peak, sshd, reachable, ran = 0.0, None, None, None
+        while process.poll() is None:
+            peak = max(peak, rss_mib(tree(process.pid)))
+            if sshd is None and all("starting sshd" in w.log() for w in workers):
+                sshd = time.monotonic()  # every worker's entrypoint is through its set-up
+            log = launcher.log()
+            if reachable is None and "workers are reachable" in log:
+                reachable = time.monotonic()
+            if ran is None and "launcher: running (" in log:
+                ran = time.monotonic()
+            time.sleep(0.01)
+        ended = time.monotonic()
+        log = launcher.log()
+        assert process.returncode == 0 and reachable and ran, log[-3000:]
+    return {"sshd_s": (sshd or ended) - up, "reachable_s": reachable - up, "run_s": ran - up, "end_s": ended - up,
+            "peak_mib": peak}
+
+
+def readiness_nossh(shared: Path, hosts: int) -> dict:
+    values = e2e_values(shared, workers=hosts)
+    values["launchMode"] = "nossh"
+    values["job"]["waitTimeoutSeconds"] = 300
+    barrier = ('mapfile -t h < <(bash /etc/deepspeed/scripts/hosts.sh "$DS_CONFIG_DIR/hostfile"); exec python3 '
+               '/etc/deepspeed/scripts/gang-barrier.py "$JOB_COMPLETION_INDEX" "$DS_BARRIER_PORT" 300 "${h[@]}"')
+    with Cluster(render(values)) as cluster:
+        processes = [cluster.start(worker, argv=["bash", "-c", barrier]) for worker in cluster.pods_of("worker")]
+        up = time.monotonic()
+        done = poll(lambda: all(p.poll() is not None for p in processes), 300, "every worker through the barrier")
+        assert all(p.returncode == 0 for p in processes), [p.returncode for p in processes]
+    return {"through_s": done - up}
+
+
+def chart_alone(replicas: list[int]) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        chart = Path(tmp) / "deepspeed-training"
+        shutil.copytree(CHART, chart)
+        schema = json.loads((chart / "values.schema.json").read_text())
+        cap = schema["properties"]["worker"]["properties"]["replicas"]["maximum"]
+        schema["properties"]["worker"]["properties"]["replicas"]["maximum"] = max(replicas)
+        (chart / "values.schema.json").write_text(json.dumps(schema))
+        for mode in ("ssh", "nossh"):
+            for n in replicas:
+                values = Path(tmp) / "values.json"
+                values.write_text(json.dumps({"image": {"repository": "example/deepspeed", "tag": "1"},
+                                              "launchMode": mode, "worker": {"replicas": n}}))
+                started = time.perf_counter()
+                out = subprocess.run([HELM, "template", "bench", str(chart), "-f", str(values)], capture_output=True,
+                                     text=True, check=True).stdout
+                seconds = time.perf_counter() - started
+                config = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "ConfigMap"
+                              and d["metadata"]["name"].endswith("-config"))
+                size = sum(len(k.encode()) + len(v.encode()) for k, v in config["data"].items())
+                rows.append({"mode": mode, "replicas": n, "template_s": seconds, "configmap_bytes": size,
+                             "over_cap": n > cap})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", default="2,8,32,64")
+    parser.add_argument("--replicas", default="64,1024,4096")
+    parser.add_argument("--no-readiness", action="store_true")
+    args = parser.parse_args()
+    if not args.no_readiness:
+        reason = namespaces_available()
+        if reason:
+            print(f"readiness skipped: {reason}")
+        else:
+            ensure_user(UID, "/home/deepspeed")
+            shared = prebuilt_ops_for_pods(UID)
+            print("Readiness (seconds after the last worker pod started; no ranks)")
+            columns = ("hosts", "ssh: every sshd", "ssh: all reachable", "ssh: run starts", "ssh: launcher ends",
+                       "launcher peak MiB", "nossh: barrier through")
+            print(" | ".join(columns))
+            for hosts in (int(n) for n in args.hosts.split(",")):
+                ssh, nossh = readiness_ssh(shared, hosts), readiness_nossh(shared, hosts)
+                cells = (hosts, ssh["sshd_s"], ssh["reachable_s"], ssh["run_s"], ssh["end_s"], ssh["peak_mib"],
+                         nossh["through_s"])
+                print(" | ".join(f"{c:>{len(h)}.{0 if h.endswith('MiB') else 2}f}" if isinstance(c, float)
+                                 else f"{c:>{len(h)}}" for h, c in zip(columns, cells, strict=True)), flush=True)
+    print("\nThe chart alone (helm template with the schema; the config ConfigMap against the API's 1 MiB)")
+    print(f"{'mode':>5} | {'replicas':>8} | {'helm template s':>15} | {'config ConfigMap':>16} | {'of 1 MiB':>8}")
+    for row in chart_alone([int(n) for n in args.replicas.split(",")]):
+        print(f"{row['mode']:>5} | {row['replicas']:>8} | {row['template_s']:>15.2f} | "
+              f"{row['configmap_bytes']:>14,} B | {100 * row['configmap_bytes'] / CONFIGMAP_LIMIT:>7.1f}%"
+              + ("  (past the schema's cap)" if row["over_cap"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    if os.geteuid() != 0:
+        print("bench/scale.py: the readiness part needs root (network namespaces); use --no-readiness",
+              file=sys.stderr)
+    sys.exit(main())
