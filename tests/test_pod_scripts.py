@@ -31,9 +31,13 @@ def start_workers(cluster, count):
 def test_wait_for_workers_succeeds_once_every_worker_accepts_ssh(docs):
     with Cluster(docs) as cluster:
         launcher = start_workers(cluster, 2)
-        result = cluster.exec(launcher, ["bash", "-c", f"{WAIT} {CONFIG}/hostfile 30 1"], timeout=60)
+        # The launcher's clean-up runs on each worker in the same session as its check, once, its output logged.
+        result = cluster.exec(launcher, ["bash", "-c", f"{WAIT} {CONFIG}/hostfile 30 1 'echo cleared on $(hostname)'"],
+                              timeout=60)
         assert result.returncode == 0, result.stdout
         assert "all 2 workers are reachable" in result.stdout
+        cleared = re.findall(r"^cleared on (\S+)$", result.stdout, flags=re.M)
+        assert sorted(cleared) == sorted(w.hostname for w in cluster.pods_of("worker")), result.stdout
         # Logged in as the pod's non-root user, with StrictHostKeyChecking on.
         who = cluster.exec(launcher, ["bash", "-c", f"source {SCRIPTS}/ssh-setup.sh && ssh -F ~/.ssh/config "
                                       f"{cluster.pods_of('worker')[1].fqdn} 'id -u; hostname'"], timeout=30)
@@ -84,11 +88,14 @@ def test_wait_for_workers_waits_for_workers_of_the_current_template(docs):
             {**e, "value": "0123456789abcdef"} if e["name"] == "DS_WORKER_TEMPLATE" else e
             for e in old.container["env"]]}
         launcher = start_workers(cluster, 2)
-        result = cluster.exec(launcher, ["bash", "-c", f"{WAIT} {CONFIG}/hostfile 3 1"], timeout=60)
+        result = cluster.exec(launcher, ["bash", "-c", f"{WAIT} {CONFIG}/hostfile 3 1 'echo cleared on $(hostname)'"],
+                              timeout=60)
         assert result.returncode == 1, result.stdout
         expected = next(e["value"] for e in launcher.container["env"] if e["name"] == "DS_WORKER_TEMPLATE")
         assert f"  {old.fqdn}: runs worker template 0123456789abcdef, not {expected}" in result.stdout
         assert f"  {cluster.pods_of('worker')[0].fqdn}:" not in result.stdout
+        # The clean-up ran on the current worker only, once: never on a pod of an earlier revision.
+        assert re.findall(r"^cleared on (\S+)$", result.stdout, flags=re.M) == [cluster.pods_of("worker")[0].hostname]
 
 
 def test_the_sshd_probe_reads_the_socket_table_and_sshd_logs_nothing(docs):

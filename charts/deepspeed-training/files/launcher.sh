@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launcher pod entrypoint (launchMode ssh). Usage: launcher.sh DEEPSPEED_COMMAND...
 # Every attempt is numbered in the job's ledger (attempts.py), which keeps the failure budget across pods. Waits
-# for every worker (of the current template), clears ranks left by an earlier attempt, runs the DeepSpeed
+# for every worker (of the current template) and clears ranks left by an earlier attempt on it, runs the DeepSpeed
 # command, and after a failure runs it again while the budget lasts (all ranks together, each run resuming from
 # the last complete checkpoint; retry_verdict in run-child.sh and attempts.py decide). Its exit status is the
 # last run's (143 after a stop, attempts.py's when the budget is spent); after a success it scales the workers
@@ -43,14 +43,15 @@ hosts=$(bash "$scripts_dir/hosts.sh" "$hostfile" | paste -sd, -)
 
 while true; do
   begin_attempt  # run-child.sh: exports DS_RUN_ID, DS_ATTEMPT_DIR, ... or exits when the budget is spent
-  run_in_background bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "$DS_WAIT_TIMEOUT_SECONDS"
+  # Every worker reachable and of the current template, and cleared of ranks an earlier attempt left (a lost
+  # launcher pod's), in one SSH round trip per worker.
+  run_in_background bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "$DS_WAIT_TIMEOUT_SECONDS" 1 \
+    "$(printf '%q ' "${kill_ranks[@]}")"
   [[ -n "$stopping" ]] && exit 143
   if ((rc != 0)); then
     python3 "$scripts_dir/attempts.py" end "$rc"
     exit "$rc"
   fi
-  log "clearing ranks left by an earlier attempt"
-  pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
 
   # The attempt, for every rank: its name (DS_RUN_ID: a hang's diagnostics go to diagnostics/<run>), its number
   # and the budget used (the train package's start line), its ledger entry (a worker's SIGTERM marks it).

@@ -2,23 +2,36 @@
 # Waits until every host in the hostfile resolves, accepts an SSH login and runs the current worker template
 # (its DS_WORKER_TEMPLATE equals ours: during a rollout, pods of the previous revision still answer, and pdsh
 # would start ranks on a pod about to be replaced), or fails at the deadline naming the hosts still missing.
-# Usage: wait-for-workers.sh HOSTFILE TIMEOUT_SECONDS [INTERVAL_SECONDS]
-# Hosts are checked up to DS_WAIT_PARALLEL (32) at a time, so a round stays short on large jobs.
+# Usage: wait-for-workers.sh HOSTFILE TIMEOUT_SECONDS [INTERVAL_SECONDS [THEN_COMMAND]]
+# THEN_COMMAND, a command line for the worker's shell, runs on each host of the current template in the same SSH
+# session as its check (the launcher clears ranks an earlier attempt left there): one round trip per host, not
+# two; its output is logged. Hosts are checked up to DS_WAIT_PARALLEL (32) at a time, so a round stays short on
+# large jobs.
 set -euo pipefail
-hostfile="$1" timeout="$2" interval="${3:-1}" parallel="${DS_WAIT_PARALLEL:-32}"
+hostfile="$1" timeout="$2" interval="${3:-1}" then_command="${4:-}" parallel="${DS_WAIT_PARALLEL:-32}"
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "wait-for-workers: $*"; }
 
-# Prints nothing when $1 is reachable, else why not.
-# shellcheck disable=SC2016 # the remote command is expanded by the worker's shell
+# shellcheck disable=SC2016 # expanded by the worker's shell
+remote='echo "template=$DS_WORKER_TEMPLATE"'
+if [[ -n "$then_command" && -n "${DS_WORKER_TEMPLATE:-}" ]]; then
+  # shellcheck disable=SC2016
+  remote+="; if [ \"\$DS_WORKER_TEMPLATE\" = $(printf %q "$DS_WORKER_TEMPLATE") ]; then $then_command || true; fi"
+elif [[ -n "$then_command" ]]; then
+  remote+="; $then_command || true"
+fi
+
+# Prints nothing when $1 is reachable, else why not; what THEN_COMMAND said goes to $results/said.$1.
 check() {
   local host="$1" out
   if ! getent hosts "$host" > /dev/null; then
     echo "no DNS record"
-  elif ! out=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" 'echo "template=$DS_WORKER_TEMPLATE"' 2>&1); then
+  elif ! out=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" "$remote" 2>&1); then
     echo "SSH failed: ${out:-no output}" | tr '\n' ' '
-  elif [[ -n "${DS_WORKER_TEMPLATE:-}" && "$out" != "template=$DS_WORKER_TEMPLATE" ]]; then
+  elif [[ -n "${DS_WORKER_TEMPLATE:-}" && "${out%%$'\n'*}" != "template=$DS_WORKER_TEMPLATE" ]]; then
     echo "runs worker template ${out#template=}, not $DS_WORKER_TEMPLATE: a pod of an earlier revision, the rollout is not done"
+  elif [[ "$out" == *$'\n'* ]]; then
+    printf '%s\n' "${out#*$'\n'}" > "$results/said.$host"
   fi
 }
 
@@ -28,7 +41,7 @@ if ((total == 0)); then
   log "ERROR: $hostfile lists no hosts"
   exit 2
 fi
-log "waiting up to ${timeout}s for $total workers (DNS, SSH, worker template ${DS_WORKER_TEMPLATE:-any})"
+log "waiting up to ${timeout}s for $total workers (DNS, SSH, worker template ${DS_WORKER_TEMPLATE:-any})${then_command:+, then on each: $then_command}"
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
 deadline=$((SECONDS + timeout)) last_pending=-1 next_log=0
@@ -38,6 +51,9 @@ while :; do
       check "$host" > "$results/$host" &
     done
     wait
+  done
+  for said in "$results"/said.*; do
+    [[ -f "$said" ]] && cat "$said" && rm -f "$said"
   done
   still=()
   for host in "${pending[@]}"; do
