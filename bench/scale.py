@@ -1,11 +1,12 @@
 """How the chart's fixed costs grow with the number of workers (issue: cost that does not grow with workers).
 
 1. Readiness, on namespace hosts (tests/e2e/harness.py; root), no ranks: N worker pods are started at once, then
-   - ssh: the launcher pod runs its real entrypoint (launcher.sh) with `true` as the DeepSpeed command: the
-     ledger, wait-for-workers.sh (DNS, SSH and the worker template of every host), the pdsh fan-out that clears
-     stale ranks on every worker, the run, the end of the attempt. Measured from the last worker pod's start to
-     "all N workers are reachable", to the run's start (the fan-out done), and to the launcher's end, with the
-     launcher pod's peak memory (the largest resident memory of its process tree at once, sampled every 10 ms);
+   - ssh: the launcher pod runs its real entrypoint (launcher.sh) with, as the DeepSpeed command, pdsh as
+     DeepSpeed's runner starts it (`-f 1024`) running `sleep 2` on every host: the ledger, wait-for-workers.sh
+     (DNS, SSH and the worker template of every host, clearing stale ranks on it), the run. Measured from the
+     last worker pod's start to "all N workers are reachable" and to the run's start, the fan-out's cost (the
+     run's time less the 2 s), and the launcher pod's peak memory (the largest resident memory of its process
+     tree at once, sampled every 10 ms), also during the run alone (pdsh holding N sessions);
    - nossh: every worker runs the start barrier (gang-barrier.py, as nossh-worker.sh starts it), measured from
      the last worker's start to the last worker through.
    With the time until every worker's entrypoint has started its sshd: on this machine's 2 cores, N pods starting
@@ -35,8 +36,10 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.chart_pods import UID, e2e_values, render  # noqa: E402
 from tests.e2e.harness import Cluster, ensure_user, namespaces_available, prebuilt_ops_for_pods  # noqa: E402
 from tests.helm_template import CHART, HELM  # noqa: E402
+from train.deepspeed_mirror import PDSH_MAX_FAN_OUT  # noqa: E402
 
 CONFIGMAP_LIMIT = 1 << 20  # the API server's object size limit for a ConfigMap's data
+HOLD_S = 2  # how long the no-op run holds each host's session
 
 
 def poll(predicate, timeout: float, what: str, interval: float = 0.01) -> float:
@@ -88,10 +91,16 @@ def readiness_ssh(shared: Path, hosts: int) -> dict:
         launcher = cluster.pods_of("launcher")[0]
         argv = launcher.container.get("command", []) + launcher.container.get("args", [])
         script = next(i for i, a in enumerate(argv) if a.endswith("launcher.sh"))
-        process = cluster.start(launcher, argv=[*argv[:script + 1], "true"])
-        peak, sshd, reachable, ran = 0.0, None, None, None
+        # The run: pdsh as DeepSpeed's runner starts it, holding every host's session for HOLD_S.
+        fan_out = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(w.fqdn for w in workers),
+                   "sleep", str(HOLD_S)]
+        process = cluster.start(launcher, argv=[*argv[:script + 1], *fan_out])
+        peak, run_peak, sshd, reachable, ran, done = 0.0, 0.0, None, None, None, None
         while process.poll() is None:
-            peak = max(peak, rss_mib(tree(process.pid)))
+            memory = rss_mib(tree(process.pid))
+            peak = max(peak, memory)
+            if ran is not None:
+                run_peak = max(run_peak, memory)
             if sshd is None and all("starting sshd" in w.log() for w in workers):
                 sshd = time.monotonic()  # every worker's entrypoint is through its set-up
             log = launcher.log()
@@ -99,12 +108,13 @@ def readiness_ssh(shared: Path, hosts: int) -> dict:
                 reachable = time.monotonic()
             if ran is None and "launcher: running (" in log:
                 ran = time.monotonic()
+            if "DeepSpeed exited with status" in log and not done:
+                done = time.monotonic()
             time.sleep(0.01)
-        ended = time.monotonic()
         log = launcher.log()
-        assert process.returncode == 0 and reachable and ran, log[-3000:]
-    return {"sshd_s": (sshd or ended) - up, "reachable_s": reachable - up, "run_s": ran - up, "end_s": ended - up,
-            "peak_mib": peak}
+        assert process.returncode == 0 and reachable and ran and done, log[-3000:]
+    return {"sshd_s": (sshd or done) - up, "reachable_s": reachable - up, "run_s": ran - up,
+            "fan_out_s": done - ran - HOLD_S, "peak_mib": peak, "run_peak_mib": run_peak}
 
 
 def readiness_nossh(shared: Path, hosts: int) -> dict:
@@ -132,6 +142,8 @@ def chart_alone(replicas: list[int]) -> list[dict]:
         (chart / "values.schema.json").write_text(json.dumps(schema))
         for mode in ("ssh", "nossh"):
             for n in replicas:
+                if mode == "ssh" and n > PDSH_MAX_FAN_OUT:
+                    continue  # refused at render: past DeepSpeed's pdsh fan-out
                 values = Path(tmp) / "values.json"
                 values.write_text(json.dumps({"image": {"repository": "example/deepspeed", "tag": "1"},
                                               "launchMode": mode, "worker": {"replicas": n}}))
@@ -161,14 +173,14 @@ def main() -> int:
             ensure_user(UID, "/home/deepspeed")
             shared = prebuilt_ops_for_pods(UID)
             print("Readiness (seconds after the last worker pod started; no ranks)")
-            columns = ("hosts", "ssh: every sshd", "ssh: all reachable", "ssh: run starts", "ssh: launcher ends",
-                       "launcher peak MiB", "nossh: barrier through")
+            columns = ("hosts", "ssh: every sshd", "ssh: all reachable", "ssh: run starts", "ssh: pdsh fan-out",
+                       "launcher peak MiB", "of it, pdsh run MiB", "nossh: barrier through")
             print(" | ".join(columns))
             for hosts in (int(n) for n in args.hosts.split(",")):
                 ssh, nossh = readiness_ssh(shared, hosts), readiness_nossh(shared, hosts)
-                cells = (hosts, ssh["sshd_s"], ssh["reachable_s"], ssh["run_s"], ssh["end_s"], ssh["peak_mib"],
-                         nossh["through_s"])
-                print(" | ".join(f"{c:>{len(h)}.{0 if h.endswith('MiB') else 2}f}" if isinstance(c, float)
+                cells = (hosts, ssh["sshd_s"], ssh["reachable_s"], ssh["run_s"], ssh["fan_out_s"], ssh["peak_mib"],
+                         ssh["run_peak_mib"], nossh["through_s"])
+                print(" | ".join(f"{c:>{len(h)}.{0 if 'MiB' in h else 2}f}" if isinstance(c, float)
                                  else f"{c:>{len(h)}}" for h, c in zip(columns, cells, strict=True)), flush=True)
     print("\nThe chart alone (helm template with the schema; the config ConfigMap against the API's 1 MiB)")
     print(f"{'mode':>5} | {'replicas':>8} | {'helm template s':>15} | {'config ConfigMap':>16} | {'of 1 MiB':>8}")

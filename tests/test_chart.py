@@ -539,3 +539,21 @@ def test_a_platform_pins_the_sidecars_image_and_nothing_else_is_taken_as_one():
         with pytest.raises(HelmError) as err:
             render_chart({"progress": {"image": hostile}})
         assert "/progress/image" in err.value.stderr, hostile
+
+
+def test_workers_past_deepspeeds_pdsh_fan_out_are_refused_in_ssh_mode_and_nossh_takes_4096():
+    from deepspeed.launcher.constants import PDSH_MAX_FAN_OUT  # the owner of the chart's generated copy
+
+    from train.deepspeed_mirror import PDSH_MAX_FAN_OUT as mirrored
+
+    assert mirrored == PDSH_MAX_FAN_OUT
+    assert len(config_data(render_chart({"worker": {"replicas": PDSH_MAX_FAN_OUT}}))["hostfile"].splitlines()) \
+        == PDSH_MAX_FAN_OUT
+    with pytest.raises(HelmError, match=rf"worker.replicas: {PDSH_MAX_FAN_OUT + 1} workers in launchMode ssh; "
+                                        rf"DeepSpeed's pdsh runner starts at most {PDSH_MAX_FAN_OUT} hosts"):
+        render_chart({"worker": {"replicas": PDSH_MAX_FAN_OUT + 1}})
+    nossh = render_chart({"launchMode": "nossh", "worker": {"replicas": 4096}})
+    assert len(config_data(nossh)["hostfile"].splitlines()) == 4096
+    assert one(nossh, "Job", "-worker-r1")["spec"]["completions"] == 4096
+    with pytest.raises(HelmError, match="worker.replicas"):
+        render_chart({"launchMode": "nossh", "worker": {"replicas": 4097}})

@@ -24,6 +24,10 @@ TOP_LEVEL_KEYS = frozenset({
 })
 
 
+# The most hosts DeepSpeed's pdsh runner starts at once (deepspeed/launcher/constants.py PDSH_MAX_FAN_OUT, its
+# `pdsh -f`): each host's ssh session lasts the whole run, so the hosts past it would never start their ranks.
+PDSH_MAX_FAN_OUT = 1024
+
 # The keys DeepSpeed reads in these sections (deepspeed/runtime/config.py get_optimizer_params/
 # get_scheduler_params, 0.19.8): anything beside them, `lr` above `params` say, is silently ignored.
 SECTION_KEYS = {"optimizer": {"type", "params", "legacy_fusion"}, "scheduler": {"type", "params"}}

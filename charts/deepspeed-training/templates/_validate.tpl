@@ -61,6 +61,10 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- end }}
 {{- end }}
 {{- if eq .Values.launchMode "ssh" }}
+{{- $fanOut := (.Files.Get "files/generated/deepspeed.json" | fromJson).pdshMaxFanOut | int }}
+{{- if gt (int .Values.worker.replicas) $fanOut }}
+{{- fail (printf "worker.replicas: %d workers in launchMode ssh; DeepSpeed's pdsh runner starts at most %d hosts at once and each host's session lasts the whole run, so the rest would never start (use launchMode nossh, which has no such limit)" (int .Values.worker.replicas) $fanOut) }}
+{{- end }}
 {{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
 {{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
 {{- end }}
@@ -327,7 +331,7 @@ pastes into the remote shell as code (--launcher_args, --venv_script).
 
 {{/*
 The ds_config rules a template can express, for `helm install` without the glue: it serialises, top-level keys
-are DeepSpeed's (files/generated/ds_config_keys.json, generated from train/deepspeed_mirror.py), the batch agrees with
+are DeepSpeed's (files/generated/deepspeed.json, generated from train/deepspeed_mirror.py), the batch agrees with
 the data-parallel ranks. train/dsconfig.py owns them all (the glue and every rank run it).
 */}}
 {{- define "deepspeed-training.validateDsConfig" -}}
@@ -343,7 +347,7 @@ the data-parallel ranks. train/dsconfig.py owns them all (the glue and every ran
 {{- end }}
 {{- end }}
 {{- end }}
-{{- $known := (.Files.Get "files/generated/ds_config_keys.json" | fromJson).topLevelKeys }}
+{{- $known := (.Files.Get "files/generated/deepspeed.json" | fromJson).topLevelKeys }}
 {{- range $key, $_ := $config }}
 {{- if not (has $key $known) }}
 {{- fail (printf "deepspeed.config: unknown top-level key %q; DeepSpeed would silently ignore it. Known keys: %s" $key (join ", " $known)) }}
