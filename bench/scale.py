@@ -34,21 +34,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.e2e.chart_pods import UID, e2e_values, render  # noqa: E402
-from tests.e2e.harness import Cluster, ensure_user, namespaces_available, prebuilt_ops_for_pods  # noqa: E402
+from tests.e2e.harness import (  # noqa: E402
+    Cluster,
+    ensure_user,
+    namespaces_available,
+    prebuilt_ops_for_pods,
+    wait_for,
+)
 from tests.helm_template import CHART, HELM  # noqa: E402
 from train.deepspeed_mirror import PDSH_MAX_FAN_OUT  # noqa: E402
 
 CONFIGMAP_LIMIT = 1 << 20  # the API server's object size limit for a ConfigMap's data
 HOLD_S = 2  # how long the no-op run holds each host's session
-
-
-def poll(predicate, timeout: float, what: str, interval: float = 0.01) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return time.monotonic()
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 def rss_mib(pids: set[int]) -> float:
@@ -126,7 +123,8 @@ def readiness_nossh(shared: Path, hosts: int) -> dict:
     with Cluster(render(values)) as cluster:
         processes = [cluster.start(worker, argv=["bash", "-c", barrier]) for worker in cluster.pods_of("worker")]
         up = time.monotonic()
-        done = poll(lambda: all(p.poll() is not None for p in processes), 300, "every worker through the barrier")
+        done = wait_for(lambda: all(p.poll() is not None for p in processes), 300, "every worker through the barrier",
+                        interval=0.01)
         assert all(p.returncode == 0 for p in processes), [p.returncode for p in processes]
     return {"through_s": done - up}
 
