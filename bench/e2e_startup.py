@@ -20,7 +20,7 @@
 3. Overhead of hang detection on a healthy run: tokens/s of 300 steps with hangDetection on and off in both
    modes, and of bare `deepspeed --no_ssh` (no heartbeat at all), interleaved in the same run. Goal: within noise.
 
-    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--trials 2] [--faults crash,...,preemption]
+    sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--hosts 2,4,8] [--trials 2] [--faults crash,...]
         [--no-startup] [--no-overhead]
 """
 
@@ -48,8 +48,8 @@ def wait_for_text(pod, pattern: re.Pattern, timeout: float) -> float:
     return wait_for(lambda: pattern.search(pod.log()), timeout, f"{pod.name}: {pattern.pattern!r}", pod.log, 0.05)
 
 
-def values(extensions: Path, mode: str, **train) -> dict:
-    v = e2e_values(extensions, **train)
+def values(extensions: Path, mode: str, workers: int = 2, **train) -> dict:
+    v = e2e_values(extensions, workers=workers, **train)
     v["train"]["module"] = "train"
     v["launchMode"] = mode
     v["job"]["runRetries"] = 1
@@ -66,8 +66,8 @@ def job_pods(cluster: Cluster) -> list:
     return cluster.pods_of("launcher") or cluster.pods_of("worker")
 
 
-def chart_startup(extensions: Path, mode: str) -> float:
-    with Cluster(render(values(extensions, mode, steps=5, log_every=1, checkpoint_every=0))) as cluster:
+def chart_startup(extensions: Path, mode: str, workers: int = 2) -> float:
+    with Cluster(render(values(extensions, mode, workers, steps=5, log_every=1, checkpoint_every=0))) as cluster:
         started = time.monotonic()
         for pod in cluster.pods:  # every pod at once
             cluster.start(pod)
@@ -77,10 +77,10 @@ def chart_startup(extensions: Path, mode: str) -> float:
         return first - started
 
 
-def bare_startup(extensions: Path) -> float:
+def bare_startup(extensions: Path, workers: int = 2) -> float:
     """`deepspeed --no_ssh --node_rank=i` started directly on every host: the chart's own deepspeed command
     and program, nothing around it."""
-    with Cluster(render(values(extensions, "nossh", steps=5, log_every=1, checkpoint_every=0))) as cluster:
+    with Cluster(render(values(extensions, "nossh", workers, steps=5, log_every=1, checkpoint_every=0))) as cluster:
         workers = cluster.pods_of("worker")
         started = time.monotonic()
         processes = []
@@ -192,6 +192,7 @@ def healthy_run(extensions: Path, mode: str, detection: bool | None) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hosts", default="2", help="comma-separated host counts for the start-up table, e.g. 2,4,8")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, of: " + ", ".join(FAULTS))
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up table")
@@ -203,18 +204,18 @@ def main() -> int:
         return 1
     ensure_user(UID, "/home/deepspeed")
     extensions = prebuilt_ops_for_pods(UID)
-    rows = {"bare deepspeed --no_ssh per host": [], "chart, launchMode ssh": [], "chart, launchMode nossh": []}
-    for _ in range(0 if args.no_startup else args.repeats):  # interleaved, so drift hits every row alike
-        rows["bare deepspeed --no_ssh per host"].append(bare_startup(extensions))
-        rows["chart, launchMode ssh"].append(chart_startup(extensions, "ssh"))
-        rows["chart, launchMode nossh"].append(chart_startup(extensions, "nossh"))
-    if not args.no_startup:
+    for hosts in () if args.no_startup else (int(n) for n in args.hosts.split(",")):
+        rows = {"bare deepspeed --no_ssh per host": [], "chart, launchMode ssh": [], "chart, launchMode nossh": []}
+        for _ in range(args.repeats):  # interleaved, so drift hits every row alike
+            rows["bare deepspeed --no_ssh per host"].append(bare_startup(extensions, hosts))
+            rows["chart, launchMode ssh"].append(chart_startup(extensions, "ssh", hosts))
+            rows["chart, launchMode nossh"].append(chart_startup(extensions, "nossh", hosts))
         bare = statistics.median(rows["bare deepspeed --no_ssh per host"])
-        print("start-up: all pods started -> first optimizer step (2 hosts x 1 CPU rank, ZeRO-2)")
+        print(f"start-up: all pods started -> first optimizer step ({hosts} hosts x 1 CPU rank, ZeRO-2)")
         print(f"{'':<36}{'median s':>9}{'vs bare':>9}   runs")
         for name, runs in rows.items():
             print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
-                  + " ".join(f"{x:.1f}" for x in runs))
+                  + " ".join(f"{x:.1f}" for x in runs), flush=True)
     if not args.no_overhead:
         runs = {(mode, on): [] for mode in ("ssh", "nossh") for on in (True, False)} | {("bare", None): []}
         for _ in range(args.repeats):  # interleaved, so drift hits every row alike
