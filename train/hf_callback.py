@@ -33,8 +33,11 @@ class RankHeartbeat(TrainerCallback):
         rankstate.publish(steps=state.max_steps or None)
         rankstate.report("starting")  # the start-up budget, until the first step
         if state.is_world_process_zero:  # the Trainer has loaded its checkpoint by now: global_step is where it resumed
-            self._goodput = Goodput(Path(os.environ.get("DS_CHECKPOINT_DIR") or args.output_dir), state.global_step,
-                                    restore_s=0.0)
+            try:
+                self._goodput = Goodput(Path(os.environ.get("DS_CHECKPOINT_DIR") or args.output_dir),
+                                        state.global_step, restore_s=0.0)
+            except OSError:
+                self._goodput = None  # accounting never stops training
         self._mark = time.time()
 
     def on_step_end(self, args, state, control, **kwargs):
