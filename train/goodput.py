@@ -184,3 +184,9 @@ def describe(split: dict) -> str:
     parts = " + ".join(f"{names.get(k, k)} {split[k]:.1f}s" for k in (*BUCKETS, "unaccounted"))
     return (f"goodput {100 * split['productive'] / wall:.1f}% | wall {split['wall']:.1f}s = {parts} "
             f"({split['attempts']} attempt{'s' if split['attempts'] != 1 else ''})")
+
+
+def published(split: dict | None) -> dict:
+    """The progress fields rank 0 publishes of a split (train/rankstate.py): the numbers and their line; an empty
+    or missing split leaves both as they were."""
+    return {"goodput": split or None, "goodput_line": describe(split) if split else None}

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from train import rankstate
 from train.goodput import Goodput
 from train.goodput import describe as goodput_line
+from train.goodput import published as goodput_fields
 
 
 class RankHeartbeat(TrainerCallback):
@@ -68,8 +69,7 @@ class RankHeartbeat(TrainerCallback):
         self._logged = (state.global_step, now)
         split = self._goodput.job() if self._goodput else None
         rankstate.publish(step=state.global_step, steps=state.max_steps or None, loss=logs.get("loss"),
-                          lr=logs.get("learning_rate"), eta_s=eta_s, goodput=split,
-                          goodput_line=goodput_line(split) if split else None)
+                          lr=logs.get("learning_rate"), eta_s=eta_s, **goodput_fields(split))
 
     def on_prediction_step(self, args, state, control, **kwargs):
         rankstate.report("training", state.global_step)  # evaluating: alive, though no step ends
@@ -80,6 +80,5 @@ class RankHeartbeat(TrainerCallback):
             self._goodput.flush()
             split = self._goodput.job()
             print(goodput_line(split), flush=True)  # the job's split, every attempt, as the train package's last line
-        rankstate.publish(state="done", step=state.global_step, eta_s=0, goodput=split,
-                          goodput_line=goodput_line(split) if split else None)
+        rankstate.publish(state="done", step=state.global_step, eta_s=0, **goodput_fields(split))
         rankstate.clear()

@@ -24,6 +24,7 @@ from train.data import DataError, make_data, samples
 from train.deepspeed_mirror import FirstCollectiveClock
 from train.goodput import Goodput
 from train.goodput import describe as goodput_line
+from train.goodput import published as goodput_fields
 from train.layout import Layout, LayoutError
 from train.model import GPT, build_model, count_parameters
 from train.pipeline import PipelineGPT, stage_plan
@@ -321,7 +322,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
             engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
         if progress.step(step, mean_loss, engine.get_lr()[0], force=stopping) and rank == 0:
             split = goodput.job()
-            rankstate.publish(goodput=split, goodput_line=goodput_line(split))
+            rankstate.publish(**goodput_fields(split))
         saved = saver.save(step, {"step": step, "data_position": position}, last_step=step == cfg.steps,
                            stopping=stopping) if saver else None
         if saved:
@@ -349,8 +350,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         logger.info(f"done: {len(losses)} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
         if split:  # rank 0
             logger.info(goodput_line(split) if status == 0 else f"so far: {goodput_line(split)}")
-    rankstate.publish(goodput=split or None, goodput_line=goodput_line(split) if split else None,
-                      **({"state": "done", "eta_s": 0} if status == 0 else {}))
+    rankstate.publish(**goodput_fields(split), **({"state": "done", "eta_s": 0} if status == 0 else {}))
     return status
 
 
