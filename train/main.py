@@ -70,7 +70,9 @@ class Inputs:
     data_rank: int  # this rank's data-parallel rank
 
 
-def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
+def check_config(cfg: TrainConfig, world_size: int) -> tuple[Layout, dict, tuple[int, int, int]]:
+    """The start checks that need neither this rank's hardware, its disks nor the data: the ones the chart's
+    pre-install hook runs too (train/preflight.py), so that the chart alone refuses what every rank would."""
     try:
         layout = Layout(world_size, cfg.model.pipeline_stages)
     except LayoutError as err:
@@ -80,6 +82,11 @@ def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
     batch = dsconfig.validate(ds_config, layout, cfg.ds_config)
     dsconfig.check_pipeline(ds_config, layout.pipeline_stages, cfg.ds_config)
     dsconfig.check_schedule_length(ds_config, cfg.steps, cfg.ds_config)
+    return layout, ds_config, batch
+
+
+def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
+    layout, ds_config, batch = check_config(cfg, world_size)
     dsconfig.check_precision(ds_config, get_accelerator(), cfg.ds_config)
     if cfg.checkpoint_dir:
         checkpoint.check_writable(Path(cfg.checkpoint_dir))
