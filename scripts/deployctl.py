@@ -318,6 +318,8 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
     try:
         batch = dsconfig.validate(ds_config, layout, ds_source, fills_auto=effective["train"]["fillsDsConfigAuto"])
         dsconfig.check_pipeline(ds_config, layout.pipeline_stages, ds_source)
+        if runs_train_package(effective):  # its schedule against its steps, as its ranks check (train.main)
+            dsconfig.check_schedule_length(ds_config, steps, ds_source)
     except dsconfig.DsConfigError as err:
         raise DeployError(str(err)) from None
     return ds_config, batch

@@ -58,6 +58,11 @@ DS = {
     **{f"warmup longer than {name}": ({**OK, "scheduler": {"type": name, "params": {
         "total_num_steps": 10, "warmup_num_steps": 20}}}, "warmup_num_steps 20 is longer than total_num_steps 10")
        for name in ("WarmupDecayLR", "WarmupCosineLR")},
+    # DeepSpeed reads bf16/fp16's switch as Python truth: the string "false" turns the section on
+    **{f"{section} switched by the string {value!r}": ({**OK, section: {"enabled": value}},
+                                                       f"{section}.enabled is {value!r}; expected true or false")
+       for section, value in (("bf16", "false"), ("fp16", "no"), ("bf16", 0))},
+    "a nested switch as a string": ({**OK, "flops_profiler": {"enabled": "true"}}, "flops_profiler.enabled"),
 }
 
 
@@ -80,10 +85,28 @@ def test_steps_in_train_args_set_the_schedules_length_through_the_glue(tree, cap
     assert '"total_num_steps": 30' in rendered
 
 
+def test_a_warmup_longer_than_the_run_stops_in_the_glue_naming_the_layer(tree, capsys):
+    set_key("dev.yaml", "deepspeed", "overrides", "scheduler", "params", "warmup_num_steps", 10 ** 6)(tree)
+    code, out, err = run("plan", "--env", "dev", capsys=capsys)
+    assert code == 1 and "deepspeed.overrides from values/dev.yaml" in err, err
+    assert "warmup_num_steps 1000000 is longer than" in err, err
+
+
 def test_an_unknown_train_argument_stops_in_the_glue_not_on_every_rank(tree, capsys):
     set_key("dev.yaml", "chart", "train", "args", ["--stepz=30"])(tree)
     code, out, err = run("plan", "--env", "dev", capsys=capsys)
     assert code == 1 and "values/dev.yaml" in err and "unrecognized arguments: --stepz=30" in err, err
+
+
+@pytest.mark.parametrize("scheduler", ["WarmupLR", "WarmupDecayLR"])
+def test_a_warmup_longer_than_the_run_is_refused_for_any_scheduler(scheduler):
+    params = {"warmup_num_steps": 50} | ({"total_num_steps": 30} if scheduler == "WarmupDecayLR" else {})
+    config = {**OK, "scheduler": {"type": scheduler, "params": params}}
+    with pytest.raises(dsconfig.DsConfigError, match="warmup_num_steps 50 is longer than"):
+        dsconfig.validate(config, Layout(2), "x.json")
+        dsconfig.check_schedule_length(config, 30, "x.json")
+    dsconfig.check_schedule_length({**OK, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 30}}},
+                                   30, "x.json")
 
 
 def test_a_rank_refuses_a_schedule_of_another_length_than_its_run(tmp_path):

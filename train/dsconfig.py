@@ -92,6 +92,20 @@ def _check_numbers(config, source: str, path: str = "") -> None:
         raise DsConfigError(f"ds_config {source}: {path} is {config}; use a finite number")
 
 
+def _check_switches(config, source: str, path: str = "") -> None:
+    """Every `enabled` is a boolean: DeepSpeed reads some sections' switch as Python truth (bf16, fp16: the string
+    "false" turns them on) and coerces others, so a quoted value would train otherwise than it reads."""
+    if isinstance(config, dict):
+        for key, value in config.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key == "enabled" and not isinstance(value, bool) and value != AUTO:
+                raise DsConfigError(f"ds_config {source}: {where} is {value!r}; expected true or false")
+            _check_switches(value, source, where)
+    elif isinstance(config, list):
+        for i, value in enumerate(config):
+            _check_switches(value, source, f"{path}[{i}]")
+
+
 def batch_sizes(config: dict, layout: Layout, source: str) -> tuple[int | None, int | None, int | None]:
     """(micro batch per GPU, gradient accumulation, global batch), completed as DeepSpeed does over the layout's
     data-parallel ranks. A value the program fills in (`"auto"`) stays None, and only the arithmetic between
@@ -159,6 +173,7 @@ def validate(config: dict, layout: Layout, source: str, *, fills_auto: bool = Fa
             f"ds_config {source}: {', '.join(autos)} is \"auto\", which only programs such as the Hugging Face "
             "Trainer fill in (DeepSpeed drops it silently): give a value, or declare that the program fills it "
             "(chart value train.fillsDsConfigAuto)")
+    _check_switches(config, source)
     for key in sorted(OBJECT_SECTIONS & set(config)):
         if not isinstance(config[key], dict):
             raise DsConfigError(f"ds_config {source}: {key} must be an object, got {config[key]!r}")
@@ -292,11 +307,19 @@ def _schedule_length(config: dict) -> tuple[int | None, int | None]:
 
 def check_schedule_length(config: dict, steps: int, source: str) -> None:
     """A scheduler with its own total step count must end with the run (the train package's `steps`): one that
-    decays over another count trains with another schedule than the config says."""
+    decays over another count trains with another schedule than the config says. A warmup longer than the run
+    never reaches the learning rate the config names."""
     total, _ = _schedule_length(config)
     if total is not None and total != steps:
         raise DsConfigError(f"ds_config {source}: scheduler.params.total_num_steps {total}, but the run trains "
                             f"{steps} steps (steps in the train config or --steps): make them equal")
+    scheduler = config.get("scheduler")
+    params = scheduler.get("params") if isinstance(scheduler, dict) else None
+    warmup = params.get("warmup_num_steps") if isinstance(params, dict) else None
+    if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup > steps:
+        raise DsConfigError(f"ds_config {source}: scheduler.params.warmup_num_steps {warmup} is longer than the run's "
+                            f"{steps} steps (steps in the train config or --steps): the learning rate would never "
+                            "reach its peak")
 
 
 def _check_runtime_settings(config: dict, world_size: int, source: str) -> None:
