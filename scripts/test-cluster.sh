@@ -9,7 +9,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 log() { echo "test-cluster: $*"; }
 image="${DS_TEST_IMAGE:-localhost/deepspeed-train:0.1.0-cpu}"
-pytest_args=(tests/cluster -v -p no:cacheprovider --durations=0)
+pytest_args=(tests/cluster -v -rP -p no:cacheprovider --durations=0)  # -rP: what passing tests print (timings, summaries)
 
 if [[ -n "${KUBECONFIG:-}" ]]; then
   : "${DS_IMAGE:?DS_IMAGE is required with KUBECONFIG: an image of docker/Dockerfile (VARIANT=cpu) the nodes can pull}"

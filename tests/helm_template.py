@@ -63,8 +63,22 @@ def render_chart(values: dict | None = None, *, show_only: list[str] | None = No
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
+def is_hook(doc: dict) -> bool:
+    return "helm.sh/hook" in (doc["metadata"].get("annotations") or {})
+
+
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
+    """The release's objects of `kind`; Helm's hooks (the config check) run before them and are not among them."""
+    return [d for d in docs if d["kind"] == kind and not is_hook(d)]
+
+
+def hooks(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if is_hook(d)]
+
+
+def release_workloads(docs: list[dict]) -> list[dict]:
+    """The release's StatefulSet and Jobs (the ranks' pods and the launcher), not the config check's hook Job."""
+    return by_kind(docs, "StatefulSet") + by_kind(docs, "Job")
 
 
 def one(docs: list[dict], kind: str, name_suffix: str = "") -> dict:

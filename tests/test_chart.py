@@ -17,6 +17,7 @@ from tests.helm_template import (
     env_of,
     helm_binaries,
     one,
+    release_workloads,
     render_chart,
 )
 
@@ -212,7 +213,7 @@ def test_the_progress_role_patches_one_configmap_and_only_the_sidecar_holds_its_
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "job-deepspeed-training", "namespace": "default"}]
     assert "data" not in one(docs, "ConfigMap", "-progress")  # the sidecars' own: Helm never claims it
-    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Job")]
+    pods = [d["spec"]["template"]["spec"] for d in release_workloads(docs)]
     assert len(pods) == (2 if mode == "ssh" else 1)
     for pod in pods:
         assert pod["automountServiceAccountToken"] is False

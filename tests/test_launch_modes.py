@@ -3,7 +3,7 @@ what it leaves out, and how its pods find each other. The e2e tier (tests/e2e/te
 
 import pytest
 
-from tests.helm_template import HelmError, by_kind, container, env_of, one, render_chart
+from tests.helm_template import HelmError, by_kind, container, env_of, is_hook, one, release_workloads, render_chart
 
 NOSSH = {"launchMode": "nossh", "checkpoints": {"existingClaim": "ckpt"}}
 GANG_APIS = ["scheduling.k8s.io/v1alpha1", "scheduling.k8s.io/v1alpha2", "scheduling.k8s.io/v1beta1"]
@@ -15,7 +15,7 @@ def workers_job(docs: list[dict]) -> dict:
 
 def test_nossh_renders_no_ssh_no_launcher_no_token():
     docs = render_chart(NOSSH)
-    kinds = sorted(d["kind"] for d in docs)
+    kinds = sorted(d["kind"] for d in docs if not is_hook(d))
     assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Role", "RoleBinding",
                      "Service", "ServiceAccount"]  # Role: the progress sidecar's (tests/test_chart.py)
     scripts = one(docs, "ConfigMap", "-scripts")
@@ -159,7 +159,7 @@ def test_native_gang_objects_follow_the_cluster_api(api, mode, monkeypatch):
     workload = one(docs, "Workload")
     assert workload["apiVersion"] == api
     gang = 3 + (1 if mode == "ssh" else 0)
-    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Job")]
+    pods = [d["spec"]["template"]["spec"] for d in release_workloads(docs)]
     assert len(pods) == (2 if mode == "ssh" else 1)
     if api.endswith("v1alpha1"):
         assert workload["spec"]["podGroups"] == [{"name": "gang", "policy": {"gang": {"minCount": gang}}}]
@@ -197,7 +197,7 @@ def test_kueue_queue_and_rank_ordered_topology_go_on_the_workers():
     kueue = {"scheduling": {"kueueQueueName": "team-a", "kueueTopology": {
         "mode": "required", "level": "cloud.provider.com/topology-rack"}}}
     for docs in (render_chart(kueue), render_chart({**kueue, **NOSSH})):
-        for workload in (d for d in docs if d["kind"] in ("StatefulSet", "Job")):
+        for workload in release_workloads(docs):
             labels = workload["spec"]["template"]["metadata"]["labels"]
             annotations = workload["spec"]["template"]["metadata"]["annotations"]
             assert labels["kueue.x-k8s.io/queue-name"] == "team-a"

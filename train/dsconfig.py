@@ -1,6 +1,5 @@
 """Checks of a ds_config before DeepSpeed sees it: the one module the glue (scripts/deployctl.py), every rank
-at start-up (train/main.py) and, for the rules a template can express, the chart (templates/_validate.tpl and
-values.schema.json) apply.
+at start-up (train/main.py) and the chart's config check hook (train/preflight.py) apply.
 
 DeepSpeed rejects unknown keys inside its sections, but silently ignores unknown TOP-LEVEL keys and `"auto"`,
 and many mistakes pass its parser only to crash every rank inside `deepspeed.initialize` (an optimizer name

@@ -137,7 +137,8 @@ def shared_claim(namespace) -> str:
     return "checkpoints"
 
 
-def install(namespace: str, steps: int, action: str = "install", **values) -> None:
+def install(namespace: str, steps: int, action: str = "install", check: bool = True, **values
+            ) -> subprocess.CompletedProcess:
     repository, _, tag = IMAGE.rpartition(":")
     # The chart's collective timeout (10 min), not a short one: it also bounds the start-up rendezvous, and on a
     # loaded 2-CPU node the ranks of a retry can start more than 30 s apart (a 30 s timeout failed a retry in CI).
@@ -152,7 +153,8 @@ def install(namespace: str, steps: int, action: str = "install", **values) -> No
         f.flush()
         proc = subprocess.run([HELM, action, RELEASE, str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
                                "-f", f.name], capture_output=True, text=True)
-        assert proc.returncode == 0, f"helm {action}: {proc.stderr}"
+    assert proc.returncode == 0 or not check, f"helm {action}: {proc.stderr}"
+    return proc
 
 
 def stop_endless_job(namespace: str) -> None:
@@ -221,8 +223,31 @@ def check_the_dashboard_on_a_real_prometheus(namespace: str) -> None:
             assert query(port, expr), expr
 
 
+def test_the_chart_alone_refuses_a_config_every_rank_would_refuse_before_creating_the_release(namespace):
+    """`helm install` without the glue: the config check hook runs the train package's check in the image, Helm
+    prints its one line, and nothing of the release (workers, launcher, Service) is created."""
+    started = time.monotonic()
+    proc = install(namespace, steps=60, check=False, deepspeed={"config": {
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}})
+    took = time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert ("config check failed: ds_config deepspeed.config (/etc/deepspeed/config/ds_config.json): "
+            "train_batch_size 16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x 2 "
+            "data-parallel ranks") in output, output
+    assert "ci-deepspeed-training-config-check" in proc.stderr, proc.stderr  # Helm names the failed hook
+    made = kubectl("get", "statefulsets,services,jobs,pods", "-o", "name", namespace=namespace).split()
+    assert all("config-check" in name for name in made), made
+    print(f"\nhelm install refused in {took:.1f}s:\n{output.strip()}")
+
+
 def test_install_trains_to_completion_with_restricted_pods_and_scales_down(namespace):
+    started = time.monotonic()
     install(namespace, steps=60)
+    print(f"\nhelm install (config check included) returned in {time.monotonic() - started:.1f}s")
+    # The config check passed and Helm removed its hook objects.
+    assert kubectl("get", "jobs,configmaps", "-l", "app.kubernetes.io/component=config-check", "-o", "name",
+                   namespace=namespace).strip() == ""
     # While the workers run: what the kubelet made of the pod specs.
     for ordinal in (0, 1):
         wait_for(lambda o=ordinal: any(c["type"] == "Ready" and c["status"] == "True" for c in get(

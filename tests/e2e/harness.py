@@ -121,9 +121,10 @@ def pods_from_render(docs: list[dict]) -> list[Pod]:
                 fqdn = f"{name}.{spec['subdomain']}.{namespace}.svc.cluster.local"
                 pods.append(Pod(name, component, name, spec["containers"][0], spec["volumes"], uid, gid, fqdn,
                                 controller_env={"JOB_COMPLETION_INDEX": str(index)}, labels=labels))
-        else:
+        else:  # the launcher, or the config check (a hook Job, which Helm runs before the others)
             name = f"{base}-{uuid.uuid4().hex[:5]}"
-            pods.append(Pod(name, "launcher", name, spec["containers"][0], spec["volumes"], uid, gid, labels=labels))
+            component = labels.get("app.kubernetes.io/component", "launcher")
+            pods.append(Pod(name, component, name, spec["containers"][0], spec["volumes"], uid, gid, labels=labels))
     return pods
 
 

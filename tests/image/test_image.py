@@ -51,8 +51,10 @@ def test_the_image_runs_the_chart_pods():
     hosts = [f"--add-host={p.fqdn}:{p.ip}" for p in pods if p.fqdn]
     podman("network", "create", "--subnet", f"{subnet}.0/24", network)
     names = []
+    check = next(p for p in pods if p.component == "config-check")  # Helm's pre-install hook runs first
+    pods = [check] + [p for p in pods if p is not check]
     try:
-        for pod in pods:  # workers first, in render order; the launcher waits for them anyway
+        for pod in pods:  # the config check, then workers in render order; the launcher waits for them anyway
             mounts = materialize_volumes(docs, pod, root / pod.name, claim_dir)
             volumes = []
             for path, source in mounts.items():
@@ -66,7 +68,12 @@ def test_the_image_runs_the_chart_pods():
                    f"--workdir={pod.container['workingDir']}", "--pull=never", IMAGE,
                    *pod.container["command"], *pod.container.get("args", []))
             names.append(name)
-        launcher = names[-1]
+            if pod is check:  # the train package's check, in the image, as the pods' user on a read-only root
+                code = int(podman("wait", name, timeout=300).stdout.strip())
+                logs = podman("logs", name)
+                log = logs.stdout + logs.stderr
+                assert code == 0 and "config check passed: ds_config for 2 data-parallel ranks" in log, log
+        launcher = next(f"{run_id}-{p.name}" for p in pods if p.component == "launcher")
         code = int(podman("wait", launcher, timeout=900).stdout.strip())
         log = podman("logs", launcher).stdout + podman("logs", launcher).stderr
         assert code == 0, log[-6000:]

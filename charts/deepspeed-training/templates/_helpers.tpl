@@ -76,22 +76,6 @@ immutable), so the revision is part of the name.
 {{- printf "%s-%d.%s" (include "deepspeed-training.workerPodPrefix" .root) (int .index) (include "deepspeed-training.workerDomain" .root) }}
 {{- end }}
 
-{{/*
-Ranks that see different data: the world size over the train package's pipeline stages
-(train.config.model.pipeline_stages, the same rule as train/main.py check_inputs); the batch keys count these.
-*/}}
-{{- define "deepspeed-training.pipelineStages" -}}
-{{- $model := dict }}
-{{- if and (eq .Values.train.argsConvention "train") (kindIs "map" .Values.train.config.model) }}
-{{- $model = .Values.train.config.model }}
-{{- end }}
-{{- $stages := $model.pipeline_stages | default 1 }}
-{{- if not (or (kindIs "int" $stages) (kindIs "int64" $stages) (and (kindIs "float64" $stages) (eq (float64 (int $stages)) $stages))) }}
-{{- fail (printf "train.config.model.pipeline_stages: expected an integer >= 1, got %v" $stages) }}
-{{- end }}
-{{- $stages | int }}
-{{- end }}
-
 {{/* nossh: worker 0 serves the workers' start barrier (files/gang-barrier.py) on the port after the rendezvous. */}}
 {{- define "deepspeed-training.barrierPort" -}}
 {{- add .Values.deepspeed.masterPort 1 }}
@@ -338,9 +322,15 @@ and the pod need to stop. */}}
 # The one collective timeout (whole minutes, as DeepSpeed reads it); the huggingface convention also passes it.
 - name: DEEPSPEED_TIMEOUT
   value: {{ .Values.deepspeed.collectiveTimeoutMinutes | int | quote }}
+{{ include "deepspeed-training.programPathsEnv" . | trim }}
+{{- end }}
+
+{{/* The chart's paths in the program's env: every rank's, and the config check's. */}}
+{{- define "deepspeed-training.programPathsEnv" -}}
+{{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
 {{- range $name, $path := dict "DS_CONFIG_PATH" "ds_config" "DS_TRAIN_CONFIG_PATH" "train_config" "DS_CHECKPOINT_DIR" "checkpoint_dir" "DS_DATA_DIR" "data_dir" }}
 - name: {{ $name }}
-  value: {{ get (include "deepspeed-training.programPaths" $ | fromJson) $path | quote }}
+  value: {{ get $paths $path | quote }}
 {{- end }}
 {{- end }}
 
@@ -454,6 +444,18 @@ shared claim (attemptsDir), and for the autotuner's experiments. */}}
 {{- define "deepspeed-training.programPaths" -}}
 {{- $configDir := include "deepspeed-training.configDir" . }}
 {{- dict "ds_config" (printf "%s/ds_config.json" $configDir) "train_config" (printf "%s/train_config.json" $configDir) "checkpoint_dir" .Values.checkpoints.mountPath "data_dir" .Values.data.mountPath | toJson }}
+{{- end }}
+
+{{/* The program's files of the config ConfigMap (ConfigMap data lines, quoted scalars), also the config check's
+(templates/config-check.yaml): the hook checks the very bytes the ranks read. */}}
+{{- define "deepspeed-training.programFiles" -}}
+ds_config.json: {{ printf "%s\n" (include "deepspeed-training.dsConfig" . | fromJson | toPrettyJson) | quote }}
+train_config.json: {{ printf "%s\n" (.Values.train.config | toPrettyJson) | quote }}
+{{- end }}
+
+{{/* "true" when the ranks run this repository's train package (its config and arguments are train/'s to check). */}}
+{{- define "deepspeed-training.runsTrainPackage" -}}
+{{- if and (not .Values.train.script) (eq .Values.train.module "train") }}true{{ end }}
 {{- end }}
 
 {{/*

@@ -44,11 +44,6 @@ never at the API server or on a rank after the GPUs are allocated.
 
 {{/* What each launch mode needs of the other values. */}}
 {{- define "deepspeed-training.validateLaunchMode" -}}
-{{- $ranks := mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
-{{- $stages := include "deepspeed-training.pipelineStages" . | int }}
-{{- if or (lt $stages 1) (ne (mod $ranks $stages) 0) }}
-{{- fail (printf "train.config.model.pipeline_stages %d must divide the world size %d (worker.replicas %d x worker.gpusPerWorker %d): stages x data-parallel ranks" $stages $ranks (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker)) }}
-{{- end }}
 {{- if .Values.progress.enabled }}
 {{- $taken := dict (toString (int .Values.deepspeed.masterPort)) "deepspeed.masterPort" }}
 {{- if eq .Values.launchMode "ssh" }}
@@ -270,7 +265,7 @@ the train config name its own paths.
 {{- end }}
 {{- end }}
 {{- $train := .Values.train }}
-{{- $package := and (not $train.script) (eq $train.module "train") }}
+{{- $package := include "deepspeed-training.runsTrainPackage" . }}
 {{- if and $package (ne $train.argsConvention "train") }}
 {{- fail (printf "train.argsConvention %q: the train package (train.module train) takes its paths only as --ds-config, --config and --checkpoint-dir (argsConvention train); set train.script or train.module to the program that takes the %s arguments" $train.argsConvention $train.argsConvention) }}
 {{- end }}
@@ -330,9 +325,11 @@ pastes into the remote shell as code (--launcher_args, --venv_script).
 {{- end }}
 
 {{/*
-The ds_config rules a template can express, for `helm install` without the glue: it serialises, top-level keys
-are DeepSpeed's (files/generated/deepspeed.json, generated from train/deepspeed_mirror.py), the batch agrees with
-the data-parallel ranks. train/dsconfig.py owns them all (the glue and every rank run it).
+What the chart owns of the ds_config: that it renders as JSON, and the autotuner's paths. Its top-level keys are
+refused here too, from a copy generated from train/deepspeed_mirror.py (files/generated/deepspeed.json), so that
+`helm template` catches the commonest silent mistake. Every other ds_config rule (batch over data-parallel ranks,
+"auto", pipeline stages, optimizer and scheduler) is train/'s: the glue runs it before deploying, the config check
+hook (templates/config-check.yaml) before `helm install` creates anything else, and every rank at start.
 */}}
 {{- define "deepspeed-training.validateDsConfig" -}}
 {{- $config := .Values.deepspeed.config }}
@@ -353,48 +350,7 @@ the data-parallel ranks. train/dsconfig.py owns them all (the glue and every ran
 {{- fail (printf "deepspeed.config: unknown top-level key %q; DeepSpeed would silently ignore it. Known keys: %s" $key (join ", " $known)) }}
 {{- end }}
 {{- end }}
-{{- $ranks := mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
-{{- $stages := include "deepspeed-training.pipelineStages" . | int }}
-{{- $world := div $ranks $stages }}
-{{- $numbers := dict }}
-{{- range $name, $key := dict "micro" "train_micro_batch_size_per_gpu" "accum" "gradient_accumulation_steps" "total" "train_batch_size" }}
-{{- if and (hasKey $config $key) (ne (toString (get $config $key)) "auto") }}{{ $_ := set $numbers $name (int64 (get $config $key)) }}{{ end }}
 {{- end }}
-{{- if not (or (hasKey $config "train_micro_batch_size_per_gpu") (hasKey $config "train_batch_size")) }}
-{{- fail "deepspeed.config: set train_micro_batch_size_per_gpu or train_batch_size" }}
-{{- end }}
-{{- $worldText := printf "%d data-parallel ranks (worker.replicas %d x worker.gpusPerWorker %d)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) }}
-{{- if gt $stages 1 }}
-{{- $worldText = printf "%d data-parallel ranks (worker.replicas %d x worker.gpusPerWorker %d / %d pipeline stages)" $world (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) $stages }}
-{{- end }}
-{{- if and (hasKey $numbers "total") (hasKey $numbers "micro") (hasKey $numbers "accum") }}
-{{- if ne (int64 $numbers.total) (mul $numbers.micro $numbers.accum $world) }}
-{{- fail (printf "deepspeed.config.train_batch_size %d != train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x %s" $numbers.total $numbers.micro $numbers.accum $worldText) }}
-{{- end }}
-{{- else if and (hasKey $numbers "total") (hasKey $numbers "micro") }}
-{{- if ne (mod $numbers.total (mul $numbers.micro $world)) 0 }}
-{{- fail (printf "deepspeed.config.train_batch_size %d is not a multiple of train_micro_batch_size_per_gpu %d x %s" $numbers.total $numbers.micro $worldText) }}
-{{- end }}
-{{- else if and (hasKey $numbers "total") (not (hasKey $numbers "micro")) }}
-{{- $per := mul (default 1 $numbers.accum) $world }}
-{{- if ne (mod $numbers.total $per) 0 }}
-{{- fail (printf "deepspeed.config.train_batch_size %d is not a multiple of gradient_accumulation_steps %d x %s" $numbers.total (default 1 $numbers.accum) $worldText) }}
-{{- end }}
-{{- end }}
-{{- $autos := include "deepspeed-training.autoKeys" (dict "path" "deepspeed.config" "value" $config) | trim }}
-{{- if and $autos (not .Values.train.fillsDsConfigAuto) }}
-{{- fail (printf "%s: \"auto\" is filled in only by programs that do so (Hugging Face Trainer, Accelerate); DeepSpeed itself drops it silently. Give a value, or set train.fillsDsConfigAuto: true for such a program" (splitList " " $autos | join ", ")) }}
-{{- end }}
-{{- end }}
-{{- end }}
-
-{{/* Dotted paths of the "auto" values in a ds_config subtree, space-separated. */}}
-{{- define "deepspeed-training.autoKeys" -}}
-{{- if kindIs "map" .value }}
-{{- range $key, $value := .value }}{{ include "deepspeed-training.autoKeys" (dict "path" (printf "%s.%s" $.path $key) "value" $value) }}{{ end }}
-{{- else if kindIs "slice" .value }}
-{{- range $i, $value := .value }}{{ include "deepspeed-training.autoKeys" (dict "path" (printf "%s[%d]" $.path $i) "value" $value) }}{{ end }}
-{{- else if eq (toString .value) "auto" }}{{ .path }} {{ end }}
 {{- end }}
 
 {{/*
