@@ -186,6 +186,16 @@ def test_a_rank_refuses_a_world_smaller_than_the_chart_asked_for(tmp_path):
     assert "step 1/" not in output
 
 
+def test_a_rank_refuses_to_start_seeing_fewer_gpus_than_its_worker_was_given(tmp_path):
+    """worker.gpuResourceName set: a node that gives the pod fewer GPUs (here none: DeepSpeed picks the CPU) must
+    not train on the CPU or fail later; one line names both numbers."""
+    result = run_single([*TINY, *ds(tmp_path, OK), "--steps", "3"], DS_GPUS_PER_WORKER="2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "this worker's ranks see 0 GPUs (DeepSpeed's accelerator: cpu), but worker.gpusPerWorker is 2" in output
+    assert "step 1/" not in output and "Traceback" not in output
+
+
 class Hardware:
     """What a rank's accelerator reports of its hardware, given by the test (the check's input, not the check)."""
 

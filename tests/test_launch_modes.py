@@ -265,3 +265,14 @@ def test_autotuning_mistakes_stop_at_render(values, message):
     with pytest.raises(HelmError) as err:
         render_chart(values)
     assert message in err.value.stderr
+
+
+@pytest.mark.parametrize("mode", ["ssh", "nossh"])
+def test_the_ranks_learn_how_many_gpus_their_worker_was_given_only_when_it_was_given_some(mode):
+    gpus = render_chart({"launchMode": mode, "worker": {"gpusPerWorker": 4}})
+    cpus = render_chart({"launchMode": mode, "worker": {"gpusPerWorker": 4, "gpuResourceName": ""}})
+    worker = [d for d in release_workloads(gpus) if d["spec"]["template"]["metadata"]["labels"][
+        "app.kubernetes.io/component"] == "worker"][0]
+    assert env_of(worker)["DS_GPUS_PER_WORKER"] == "4"
+    assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert all("DS_GPUS_PER_WORKER" not in env_of(d) for d in release_workloads(cpus))

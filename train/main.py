@@ -117,6 +117,21 @@ def check_world_size(world_size: int) -> None:
                           "GPUs or its hostfile entry is wrong")
 
 
+def check_devices() -> None:
+    """Before anything else touches a device: a worker given GPUs (DS_GPUS_PER_WORKER, the chart's
+    worker.gpusPerWorker when worker.gpuResourceName is set) whose ranks see fewer (a node's device plugin or
+    driver, CUDA_VISIBLE_DEVICES) would fail each rank later with "invalid device ordinal", or train on the CPU."""
+    wanted = int(os.environ.get("DS_GPUS_PER_WORKER") or 0)
+    if not wanted:
+        return
+    accelerator = get_accelerator()
+    seen = 0 if accelerator.device_name() == "cpu" else accelerator.device_count()
+    if seen < wanted:
+        raise ConfigError(f"this worker's ranks see {seen} GPUs (DeepSpeed's accelerator: "
+                          f"{accelerator.device_name()}), but worker.gpusPerWorker is {wanted}: the node gives the "
+                          "pod fewer (its device plugin, driver or CUDA_VISIBLE_DEVICES)")
+
+
 def layout_of(engine, world_size: int, cfg: TrainConfig) -> dict:
     """How a checkpoint of this run is laid out: what a resume must match (train/checkpoint.py)."""
     return {"world_size": world_size, "zero_stage": engine.zero_optimization_stage(),
@@ -369,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by DeepSpeed's launcher for every rank
     try:
         check_world_size(world_size)
+        check_devices()
         cfg = parse_args(argv)
         inputs = check_inputs(cfg, rank, world_size)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:

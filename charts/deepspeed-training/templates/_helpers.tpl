@@ -319,6 +319,11 @@ and the pod need to stop. */}}
   value: {{ include "deepspeed-training.killGraceSeconds" . | quote }}
 - name: DS_WORLD_SIZE
   value: {{ mul (int .Values.worker.replicas) (int .Values.worker.gpusPerWorker) | quote }}
+{{- if .Values.worker.gpuResourceName }}
+# The GPUs each worker was given: its ranks refuse to start seeing fewer (train/main.py check_devices).
+- name: DS_GPUS_PER_WORKER
+  value: {{ .Values.worker.gpusPerWorker | int | quote }}
+{{- end }}
 # The one collective timeout (whole minutes, as DeepSpeed reads it); the huggingface convention also passes it.
 - name: DEEPSPEED_TIMEOUT
   value: {{ .Values.deepspeed.collectiveTimeoutMinutes | int | quote }}
