@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The worker/launcher image (docker/Dockerfile).  Usage: scripts/image.sh build|build_hf|push|base
-#   build     docker or podman build of IMAGE_NAME:IMAGE_TAG (VARIANT=cpu|cuda, default cpu)
+#   build     docker or podman build of IMAGE_NAME:IMAGE_TAG (VARIANT=cpu|cuda|rocm, default cpu; BASE, TORCH_PIP_ARGS,
+#             CUDA_ARCHS, GPU_ARCHS, CPU_ARCH pass through to docker/Dockerfile)
 #   build_hf  the Hugging Face layer on it (docker/Dockerfile.hf): IMAGE_NAME:IMAGE_TAG-hf
 #   push   tag and push it to REGISTRY
 #   base   (podman, offline machines) make the Dockerfile's FROM image with debootstrap instead of pulling it
@@ -61,16 +62,20 @@ build() {
     if [[ -n "$wheel" ]]; then
       cp "$wheel" docker/wheels/
     else
-      args+=(--build-arg "TORCH_PIP_ARGS=--index-url https://download.pytorch.org/whl/cpu")
+      TORCH_PIP_ARGS=${TORCH_PIP_ARGS:---index-url https://download.pytorch.org/whl/cpu}
     fi
-  else
-    args+=(--build-arg "BASE=${CUDA_BASE:-nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04}")
   fi
+  # VARIANT=rocm: TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/rocm<version>" and BASE (below).
+  for arg in TORCH_PIP_ARGS CUDA_ARCHS GPU_ARCHS CPU_ARCH; do
+    if [[ -n "${!arg:-}" ]]; then args+=(--build-arg "$arg=${!arg}"); fi
+  done
+  # The same debootstrapped Debian for both variants; BASE=<image> (e.g. a vendor CUDA image) to build on another.
+  if [[ -n "${BASE:-}" ]]; then args+=(--build-arg "BASE=$BASE"); fi
   # The host's CA bundle, when it sets one, is trusted by pip inside the build but never stored in it.
   if [[ -s "${SSL_CERT_FILE:-}" ]]; then args+=(--secret "id=ca,src=$SSL_CERT_FILE"); fi
   # podman: the docker image format (OCI drops HEALTHCHECK, SHELL...); --pull=never for a local base.
   if [[ "$tool" == podman ]]; then args+=(--format docker); fi
-  if [[ "$tool" == podman ]] && podman image exists debian:bookworm-slim; then args+=(--pull=never); fi
+  if [[ "$tool" == podman && -z "${BASE:-}" ]] && podman image exists debian:bookworm-slim; then args+=(--pull=never); fi
   log "$tool build $IMAGE_NAME:$IMAGE_TAG (VARIANT=$VARIANT)"
   "$tool" build -f docker/Dockerfile --build-arg "VARIANT=$VARIANT" --build-arg "TORCH_VERSION=$TORCH_VERSION" \
     --build-arg "DEEPSPEED_VERSION=$DEEPSPEED_VERSION" "${args[@]}" -t "$IMAGE_NAME:$IMAGE_TAG" .
