@@ -121,7 +121,7 @@ generate: ## Regenerate what is generated from its owner: the chart README's val
 	python scripts/chart_data.py
 
 .PHONY: image
-image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cuda).
+image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cuda|rocm; README, "The image").
 	bash scripts/image.sh build
 
 .PHONY: image-hf
@@ -140,6 +140,15 @@ test-image: ## Build the CPU image with podman (debootstrapped base) and run a l
 	VARIANT=cpu bash scripts/image.sh build
 	DS_TEST_IMAGE=deepspeed-train:0.1.0-cpu CONTAINERS_CONF=$(ROOT)/.build/containers.conf pytest tests/image -v
 
+.PHONY: test-image-cuda
+test-image-cuda: ## Build the CUDA image and its Hugging Face layer with podman (no GPU needed) and check them.
+	bash scripts/setup-podman.sh
+	bash scripts/image.sh base
+	VARIANT=cuda bash scripts/image.sh build
+	VARIANT=cuda bash scripts/image.sh build_hf
+	DS_TEST_CUDA_IMAGE=deepspeed-train:0.1.0-cuda CONTAINERS_CONF=$(ROOT)/.build/containers.conf \
+	  pytest tests/image/test_image_cuda.py -v -rP
+
 .PHONY: test-cluster
 test-cluster: ## The cluster tier on a real Kubernetes: the local one-node cluster of ../shared/k8s (root), or KUBECONFIG + DS_IMAGE.
 	bash scripts/test-cluster.sh
@@ -147,6 +156,6 @@ test-cluster: ## The cluster tier on a real Kubernetes: the local one-node clust
 .PHONY: lint
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done
-	shellcheck -x -P SCRIPTDIR $(CHART)/files/*.sh scripts/*.sh .ci/run
+	shellcheck -x -P SCRIPTDIR $(CHART)/files/*.sh scripts/*.sh docker/*.sh .ci/run
 	hadolint docker/Dockerfile docker/Dockerfile.hf
 	ruff check .
