@@ -3,7 +3,17 @@ what it leaves out, and how its pods find each other. The e2e tier (tests/e2e/te
 
 import pytest
 
-from tests.helm_template import HelmError, by_kind, container, env_of, is_hook, one, release_workloads, render_chart
+from tests.helm_template import (
+    CHART,
+    HelmError,
+    by_kind,
+    container,
+    env_of,
+    is_hook,
+    one,
+    release_workloads,
+    render_chart,
+)
 
 NOSSH = {"launchMode": "nossh", "checkpoints": {"existingClaim": "ckpt"}}
 GANG_APIS = ["scheduling.k8s.io/v1alpha1", "scheduling.k8s.io/v1alpha2", "scheduling.k8s.io/v1beta1"]
@@ -276,3 +286,13 @@ def test_the_ranks_learn_how_many_gpus_their_worker_was_given_only_when_it_was_g
     assert env_of(worker)["DS_GPUS_PER_WORKER"] == "4"
     assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert all("DS_GPUS_PER_WORKER" not in env_of(d) for d in release_workloads(cpus))
+
+
+def test_the_rocm_values_request_amd_gpus_and_hand_rccl_its_settings():
+    docs = render_chart(values_files=[CHART / "ci" / "11-rocm-values.yaml"])
+    worker = one(docs, "StatefulSet", "-worker")
+    assert container(worker)["resources"]["limits"] == {"amd.com/gpu": 8}
+    assert env_of(worker)["DS_GPUS_PER_WORKER"] == "8"
+    ranks_env = one(docs, "ConfigMap", "-config")["data"]["deepspeed_env"].splitlines()  # pasted on every rank
+    assert {"NCCL_SOCKET_IFNAME=eth0", "NCCL_IGNORE_CPU_AFFINITY=1", "HSA_FORCE_FINE_GRAIN_PCIE=1"} <= set(ranks_env)
+    assert "0.1.0-rocm" in container(worker)["image"]
