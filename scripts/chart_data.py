@@ -1,6 +1,7 @@
 """Data the chart needs from the code that owns it, generated, never typed twice, from train/deepspeed_mirror.py:
 the ds_config top-level keys DeepSpeed reads (TOP_LEVEL_KEYS), which the chart's render-time check refuses others
-than, and the most hosts DeepSpeed's pdsh runner starts (PDSH_MAX_FAN_OUT), launchMode ssh's limit on workers.
+than, the most hosts DeepSpeed's pdsh runner starts (PDSH_MAX_FAN_OUT), launchMode ssh's limit on workers, and the
+env DeepSpeed's launcher sets for every rank (LAUNCHER_ENV), which no user env entry may set.
 
     python scripts/chart_data.py           # rewrite charts/deepspeed-training/files/generated/
     python scripts/chart_data.py --check   # exit 1 if it is stale
@@ -14,14 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train.deepspeed_mirror import PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
+from train.deepspeed_mirror import LAUNCHER_ENV, PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
 
 TARGET = ROOT / "charts" / "deepspeed-training" / "files" / "generated" / "deepspeed.json"
 
 
 def render() -> str:
     return json.dumps({"generated": "by scripts/chart_data.py from train/deepspeed_mirror.py; do not edit",
-                       "topLevelKeys": sorted(TOP_LEVEL_KEYS), "pdshMaxFanOut": PDSH_MAX_FAN_OUT}, indent=1) + "\n"
+                       "topLevelKeys": sorted(TOP_LEVEL_KEYS), "pdshMaxFanOut": PDSH_MAX_FAN_OUT,
+                       "launcherEnv": sorted(LAUNCHER_ENV)}, indent=1) + "\n"
 
 
 def main() -> int:

@@ -558,3 +558,54 @@ def test_workers_past_deepspeeds_pdsh_fan_out_are_refused_in_ssh_mode_and_nossh_
     assert one(nossh, "Job", "-worker-r1")["spec"]["completions"] == 4096
     with pytest.raises(HelmError, match="worker.replicas"):
         render_chart({"launchMode": "nossh", "worker": {"replicas": 4097}})
+
+
+def reserved_env_names() -> set[str]:
+    """What the chart refuses in env, worker.extraEnv and extraEnvFrom prefixes: its own list and DeepSpeed's."""
+    own = json.loads((CHART / "files" / "reserved-env.json").read_text())
+    generated = json.loads((CHART / "files" / "generated" / "deepspeed.json").read_text())
+    return {name for group, names in own.items() if group != "why" for name in names} | set(generated["launcherEnv"])
+
+
+def test_every_env_name_the_chart_or_deepspeed_sets_is_reserved():
+    import ast
+    import importlib.util
+    import inspect
+
+    import deepspeed.launcher.launch as launch
+
+    from train.deepspeed_mirror import LAUNCHER_ENV
+    reserved = reserved_env_names()
+    # Every branch that adds env: both modes, hang detection, resumeFrom, GPUs, autotuning, the progress sidecar.
+    user = {"env": [{"name": "APP_PLAIN", "value": "1"},
+                    {"name": "APP_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+            "worker": {"extraEnv": [{"name": "APP_EXTRA", "value": "1"}]}}
+    autotune = {"launcher": {"autotuning": "tune"}, "train": {"script": "/app/train.py", "argsConvention": "deepspeed"},
+                "deepspeed": {"config": {"train_micro_batch_size_per_gpu": 4, "autotuning": {"fast": False}}}}
+    renders = [render_chart({**autotune, **user, "hangDetection": {"enabled": True},
+                             "checkpoints": {"existingClaim": "shared", "resumeFrom": "default/old"}}),
+               render_chart({**user, "launchMode": "nossh", "hangDetection": {"enabled": True}})]
+    set_by_chart = set()
+    for docs in renders:
+        for workload in [d for d in docs if d["kind"] in ("StatefulSet", "Job", "Deployment")]:
+            spec = workload["spec"]["template"]["spec"]
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                set_by_chart |= {e["name"] for e in c.get("env", [])} - {"APP_PLAIN", "APP_SECRET", "APP_EXTRA"}
+    assert {"DS_RESUME_FROM_DIR", "DS_AUTOTUNING_RESULTS", "DS_BARRIER_PORT", "DS_HANG_STEP_SECONDS",
+            "DS_GPUS_PER_WORKER"} <= set_by_chart  # the branches above were taken
+    assert set_by_chart - reserved == set()
+    # The pod scripts' env for the ranks: the ledger's (files/attempts.py) and pdsh's (launcher.sh's export).
+    spec = importlib.util.spec_from_file_location("attempts", CHART / "files" / "attempts.py")
+    attempts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(attempts)
+    assert set(attempts.ENV_KEYS) - reserved == set()
+    assert {"PDSH_RCMD_TYPE", "PDSH_SSH_ARGS_APPEND"} <= reserved
+    # DeepSpeed's launcher: every `current_env[NAME] = ...` in its main(), the pinned version's own source.
+    assigned = set()
+    for node in ast.walk(ast.parse(inspect.getsource(launch))):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript) \
+                and getattr(node.targets[0].value, "id", "") == "current_env":
+            key = node.targets[0].slice
+            assigned.add(key.value if isinstance(key, ast.Constant) else getattr(launch, key.id))
+    assert assigned - {"OMP_NUM_THREADS"} == set(LAUNCHER_ENV)  # OMP_NUM_THREADS: only with --bind_cores_to_rank
+    assert set(LAUNCHER_ENV) <= reserved

@@ -101,11 +101,16 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- end }}
 
 {{/*
-Env names the chart or DeepSpeed's launcher sets (a user value would override them silently, or be
-overridden by them), and those that make the ranks' shells run code or parse commands differently.
+Env names the chart, its pod scripts or DeepSpeed's launcher set (a user value would override them silently, or
+be overridden by them), and those that make the ranks' shells run code or parse commands differently: the
+chart's in files/reserved-env.json, DeepSpeed's generated from train/deepspeed_mirror.py.
 */}}
 {{- define "deepspeed-training.reservedEnvNames" -}}
-{{- list "HOME" "PATH" "POD_NAMESPACE" "PYTHONUNBUFFERED" "DS_RELEASE" "DS_RESUME_FROM_DIR" "DS_RESUME_FROM_RELEASE" "DS_CONFIG_DIR" "DS_SSH_KEYS_DIR" "DS_WORKER_DOMAIN" "DS_SSH_PORT" "DS_WORLD_SIZE" "DS_GPUS_PER_WORKER" "DEEPSPEED_TIMEOUT" "DS_KILL_GRACE_SECONDS" "DS_WAIT_TIMEOUT_SECONDS" "DS_SCALE_DOWN_WORKERS" "DS_WORKER_STATEFULSET" "DS_AUTOTUNING_RESULTS" "DS_CONFIG_PATH" "DS_TRAIN_CONFIG_PATH" "DS_CHECKPOINT_DIR" "DS_DATA_DIR" "DS_RANK_STATE_DIR" "DS_HANG_STARTUP_SECONDS" "DS_HANG_STEP_SECONDS" "DS_HANG_CHECKPOINT_SECONDS" "TORCH_FR_BUFFER_SIZE" "DS_RUN_ID" "DS_ATTEMPT_DIR" "DS_ATTEMPT" "DS_ATTEMPT_BEGUN" "DS_FAILURES" "DS_FAILURE_BUDGET" "DS_PREEMPTIONS" "DS_ATTEMPTS_DIR" "DS_JOB_UID" "DS_RESUME_ACROSS_WORLD_SIZES" "DS_RUN_RETRIES" "DS_BARRIER_PORT" "DS_WORKER_TEMPLATE" "JOB_COMPLETION_INDEX" "RANK" "LOCAL_RANK" "WORLD_SIZE" "LOCAL_SIZE" "CROSS_RANK" "CROSS_SIZE" "MASTER_ADDR" "MASTER_PORT" "PDSH_RCMD_TYPE" "PDSH_SSH_ARGS_APPEND" "BASH_ENV" "ENV" "IFS" "SHELLOPTS" "BASHOPTS" "PS4" "PROMPT_COMMAND" | toJson }}
+{{- $names := (.Files.Get "files/generated/deepspeed.json" | fromJson).launcherEnv }}
+{{- range $group, $list := omit (.Files.Get "files/reserved-env.json" | fromJson) "why" }}
+{{- $names = concat $names $list }}
+{{- end }}
+{{- $names | toJson }}
 {{- end }}
 
 {{- define "deepspeed-training.validateEnv" -}}
