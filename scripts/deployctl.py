@@ -228,6 +228,16 @@ def release_of(settings: dict, project: str | None) -> str:
     return settings["deploy"].get("release") or project or CHART_NAME
 
 
+def check_glue_written(merged: dict, origin: dict) -> None:
+    """chart.deepspeed.config is the glue's to write (the preset rendered, deepspeed.overrides over it): a layer's
+    ds_config there would be replaced without a word, and the job would train with another one."""
+    deepspeed = merged["chart"].get("deepspeed")
+    if isinstance(deepspeed, dict) and "config" in deepspeed:
+        raise DeployError(f"{source_of(origin, ('chart', 'deepspeed', 'config'))}: chart.deepspeed.config: the glue "
+                          "writes the ds_config itself (deepspeed.preset with deepspeed.microBatch and the other "
+                          "deepspeed.* settings); put ds_config keys under deepspeed.overrides")
+
+
 def check_scalars(values, origin: dict, path: tuple = ()) -> None:
     """Settings a JSON schema lets through: non-finite numbers, strings with control characters (Python's `$`
     matches before a trailing newline), YAML types JSON has not (dates, binary)."""
@@ -359,6 +369,7 @@ def build(env: str, project: str | None) -> Rendered:
     check_schema(settings, json.loads(SETTINGS_SCHEMA.read_text()), origin, (),
                  "checked against scripts/settings.schema.json")
     check_scalars(merged, origin)
+    check_glue_written(merged, origin)
     check_release_is_unique(settings, origin, env, project)
     if project in settings["deploy"].get("projectNamespaces", {}):  # the platform's per-project namespace
         settings["deploy"]["namespace"] = settings["deploy"]["projectNamespaces"][project]

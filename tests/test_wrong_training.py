@@ -92,6 +92,14 @@ def test_a_warmup_longer_than_the_run_stops_in_the_glue_naming_the_layer(tree, c
     assert "warmup_num_steps 1000000 is longer than" in err, err
 
 
+@pytest.mark.parametrize("config", [{"train_micro_batch_size_per_gpu": 7}, None, {}])
+def test_a_ds_config_where_the_glue_writes_its_own_stops_naming_the_layer(tree, capsys, config):
+    set_key("dev.yaml", "chart", "deepspeed", "config", config)(tree)
+    code, out, err = run("plan", "--env", "dev", capsys=capsys)
+    assert code == 1 and err.startswith("error: values/dev.yaml: chart.deepspeed.config: the glue writes"), err
+    assert "deepspeed.overrides" in err, err
+
+
 def test_an_unknown_train_argument_stops_in_the_glue_not_on_every_rank(tree, capsys):
     set_key("dev.yaml", "chart", "train", "args", ["--stepz=30"])(tree)
     code, out, err = run("plan", "--env", "dev", capsys=capsys)
