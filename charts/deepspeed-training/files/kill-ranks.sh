@@ -13,7 +13,7 @@ set -uo pipefail
 grace="${DS_KILL_GRACE_SECONDS:?set by the chart (worker.terminationGracePeriodSeconds)}"
 state_dir="${DS_RANK_STATE_DIR:-}"
 ack_seconds=10
-me=$(id -u)
+me=$EUID
 log() { echo "kill-ranks: $(hostname): $*"; }
 state() {
   local word=""
@@ -21,6 +21,8 @@ state() {
   echo "$word"
 }
 
+# The launcher clears every worker before each attempt, where there is usually nothing to stop: one pgrep says so.
+pgrep -u "$me" -f -- 'deepspeed\.launcher\.launch|--local_rank=' > /dev/null || exit 0
 # The ranks are the children of deepspeed.launcher.launch; ranks whose launcher died carry its --local_rank=.
 launchers=$(pgrep -u "$me" -f 'deepspeed\.launcher\.launch' || true)
 ranks=$(for pid in $launchers; do pgrep -P "$pid"; done)

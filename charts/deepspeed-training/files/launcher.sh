@@ -38,7 +38,8 @@ hostfile="$DS_CONFIG_DIR/hostfile"
 install -m 600 /dev/null "$HOME/.deepspeed_env"  # written before every run, with the run's name
 # pdsh's ssh must read our config (port, key, known_hosts) whatever the passwd home says.
 export PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="-F $HOME/.ssh/config"
-kill_ranks=(env "DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" "DS_RANK_STATE_DIR=$DS_RANK_STATE_DIR" bash "$scripts_dir/kill-ranks.sh")
+# A command line for the workers' shells (pdsh and ssh paste it into one): the assignments need no `env` process.
+kill_ranks=("DS_KILL_GRACE_SECONDS=$DS_KILL_GRACE_SECONDS" "DS_RANK_STATE_DIR=$DS_RANK_STATE_DIR" bash "$scripts_dir/kill-ranks.sh")
 hosts=$(bash "$scripts_dir/hosts.sh" "$hostfile" | paste -sd, -)
 
 while true; do

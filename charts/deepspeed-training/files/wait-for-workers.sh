@@ -5,8 +5,8 @@
 # Usage: wait-for-workers.sh HOSTFILE TIMEOUT_SECONDS [INTERVAL_SECONDS [THEN_COMMAND]]
 # THEN_COMMAND, a command line for the worker's shell, runs on each host of the current template in the same SSH
 # session as its check (the launcher clears ranks an earlier attempt left there): one round trip per host, not
-# two; its output is logged. Hosts are checked up to DS_WAIT_PARALLEL (32) at a time, so a round stays short on
-# large jobs.
+# two; its output is logged. Up to DS_WAIT_PARALLEL (32) hosts are checked at a time, the next one starting as soon
+# as one is done (no batch waits for its slowest host), so a round stays short on large jobs.
 set -euo pipefail
 hostfile="$1" timeout="$2" interval="${3:-1}" then_command="${4:-}" parallel="${DS_WAIT_PARALLEL:-32}"
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -24,10 +24,13 @@ fi
 # Prints nothing when $1 is reachable, else why not; what THEN_COMMAND said goes to $results/said.$1.
 check() {
   local host="$1" out
-  if ! getent hosts "$host" > /dev/null; then
-    echo "no DNS record"
-  elif ! out=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" "$remote" 2>&1); then
-    echo "SSH failed: ${out:-no output}" | tr '\n' ' '
+  # ssh's own lookup tells a missing DNS record apart: no separate resolver process per host and round.
+  if ! out=$(ssh -F "$HOME/.ssh/config" -n -o ConnectTimeout=5 "$host" "$remote" 2>&1); then
+    if [[ "$out" == *"Could not resolve hostname"* ]]; then
+      echo "no DNS record"
+    else
+      echo "SSH failed: ${out:-no output}" | tr '\n' ' '
+    fi
   elif [[ -n "${DS_WORKER_TEMPLATE:-}" && "${out%%$'\n'*}" != "template=$DS_WORKER_TEMPLATE" ]]; then
     echo "runs worker template ${out#template=}, not $DS_WORKER_TEMPLATE: a pod of an earlier revision, the rollout is not done"
   elif [[ "$out" == *$'\n'* ]]; then
@@ -49,12 +52,16 @@ deadline=$((SECONDS + timeout)) last_pending=-1 next_log=0 round=0
 # whose pods wait to be scheduled is not checked several times a second for as long as that takes.
 first_pauses=(0.25 0.5)
 while :; do
-  for ((i = 0; i < ${#pending[@]}; i += parallel)); do
-    for host in "${pending[@]:i:parallel}"; do
-      check "$host" > "$results/$host" &
-    done
-    wait
+  running=0
+  for host in "${pending[@]}"; do
+    if ((running >= parallel)); then
+      wait -n || true
+      running=$((running - 1))
+    fi
+    check "$host" > "$results/$host" &
+    running=$((running + 1))
   done
+  wait
   for said in "$results"/said.*; do
     [[ -f "$said" ]] && cat "$said" && rm -f "$said"
   done
