@@ -17,11 +17,16 @@
    optimizer step of the retry (in-pod retry), the steps lost, the pods recreated, and the job's failure budget
    used (files/attempts.py: a preemption spends none). Goals: a crash <= 15 s, a hang detected and resumed
    <= 150 s after its last step, a preemption loses <= 1 step.
-3. Overhead of hang detection on a healthy run: tokens/s of 300 steps with hangDetection on and off in both
+3. Recovery at N hosts (--hosts): a rank of worker 1 SIGKILLed at step ~50 (checkpoint every 20) -> the first
+   optimizer step after the resume, for both modes (the in-pod retry) against bare `deepspeed --no_ssh` under the
+   quickest supervisor there can be (kill every host's processes once the first host's deepspeed exits, start
+   them all again at once). On 2 cores the absolute times grow with N (every rank shares them); the figure that
+   counts is the chart's ratio to bare. Goal: it grows <= 1.2x from 2 to 8 hosts, as for start-up.
+4. Overhead of hang detection on a healthy run: tokens/s of 300 steps with hangDetection on and off in both
    modes, and of bare `deepspeed --no_ssh` (no heartbeat at all), interleaved in the same run. Goal: within noise.
 
     sudo .venv/bin/python bench/e2e_startup.py [--repeats 3] [--hosts 2,4,8] [--trials 2] [--faults crash,...]
-        [--no-startup] [--no-overhead]
+        [--no-startup] [--no-recovery] [--no-overhead]
 """
 
 import argparse
@@ -103,8 +108,9 @@ DETECTED = {"crash": re.compile(r"DeepSpeed exited with status [1-9]"), "collect
 BUDGET_USED = re.compile(r"attempt \d+ \((\d+) of \d+ failures used")
 
 
-def fault_trial(extensions: Path, mode: str, fault: str) -> dict:
-    v = values(extensions, mode, steps=200 if fault != "straggler" else 100000, log_every=1, checkpoint_every=20)
+def fault_trial(extensions: Path, mode: str, fault: str, workers: int = 2) -> dict:
+    v = values(extensions, mode, workers, steps=200 if fault != "straggler" else 100000, log_every=1,
+               checkpoint_every=20)
     if fault == "outside":
         v["train"]["module"] = "tests.e2e.hang_probe"
         v["env"] += [{"name": "HANG_RANK", "value": "1"}, {"name": "HANG_AT_STEP", "value": "50"}]
@@ -162,6 +168,44 @@ def fault_trial(extensions: Path, mode: str, fault: str) -> dict:
                 "ok": codes == [0] * len(codes) and max(step_losses(log)) == 200}
 
 
+RESUMED_STEP = re.compile(r"resumed from .*?INFO step \d+/", re.S)
+
+
+def bare_recovery(extensions: Path, workers: int = 2) -> float:
+    """Recovery of bare `deepspeed --no_ssh` per host under the quickest supervisor there can be: when the first
+    host's deepspeed exits (its launch.py saw the killed rank), every host's processes are killed and the same
+    command starts again on every host (the train package resumes from the last checkpoint). Seconds from the
+    SIGKILL of a rank of worker 1 at step ~50 (checkpoint every 20) to the first step after the resume."""
+    v = values(extensions, "nossh", workers, steps=200, log_every=1, checkpoint_every=20)
+    with Cluster(render(v)) as cluster:
+        hosts = cluster.pods_of("worker")
+
+        def start_all(attempt: int) -> list:
+            return [cluster.start(w, [w.container["args"][0], f"--node_rank={i}", *w.container["args"][1:]],
+                                  log_name=f"{w.name}-bare{attempt}") for i, w in enumerate(hosts)]
+
+        def log(attempt: int) -> str:
+            path = cluster.tmp / f"{hosts[0].name}-bare{attempt}.log"
+            return path.read_text(errors="replace") if path.exists() else ""
+
+        processes = start_all(1)
+        wait_for(lambda: re.search(r"INFO step (4[5-9]|5[0-9])/", log(1)), 300, "step ~50", lambda: log(1), 0.05)
+        killed = time.monotonic()
+        os.kill(cluster.rank_pids(hosts[1], ranks_only=True)[0], signal.SIGKILL)
+        wait_for(lambda: any(p.poll() is not None for p in processes), 600, "a host's deepspeed to exit",
+                 interval=0.05)
+        for host in hosts:
+            cluster.kill(host)
+        for process in processes:
+            process.wait(timeout=60)
+        processes = start_all(2)
+        recovered = wait_for(lambda: RESUMED_STEP.search(log(2)), 300, "the first step after the resume",
+                             lambda: log(2), 0.05)
+        for host in hosts:
+            cluster.kill(host)
+        return recovered - killed
+
+
 TOKENS_S = re.compile(r"INFO step (\d+)/\d+ \| .*? \| ([\d,]+) tokens/s")
 
 
@@ -192,10 +236,12 @@ def healthy_run(extensions: Path, mode: str, detection: bool | None) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hosts", default="2", help="comma-separated host counts for the start-up table, e.g. 2,4,8")
+    parser.add_argument("--hosts", default="2",
+                        help="comma-separated host counts for the start-up and recovery tables, e.g. 2,4,8")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, of: " + ", ".join(FAULTS))
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up table")
+    parser.add_argument("--no-recovery", action="store_true", help="skip the recovery table")
     parser.add_argument("--no-overhead", action="store_true", help="skip the hang detection overhead table")
     args = parser.parse_args()
     reason = namespaces_available()
@@ -216,6 +262,21 @@ def main() -> int:
         for name, runs in rows.items():
             print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
                   + " ".join(f"{x:.1f}" for x in runs), flush=True)
+    for hosts in () if args.no_recovery else (int(n) for n in args.hosts.split(",")):
+        rows = {"bare deepspeed, quickest supervisor": [], "chart, launchMode ssh": [], "chart, launchMode nossh": []}
+        for _ in range(args.repeats):  # interleaved, so drift hits every row alike
+            rows["bare deepspeed, quickest supervisor"].append(bare_recovery(extensions, hosts))
+            for mode in ("ssh", "nossh"):
+                trial = fault_trial(extensions, mode, "crash", hosts)
+                assert trial["ok"], trial
+                rows[f"chart, launchMode {mode}"].append(trial["recovery_s"])
+        bare = statistics.median(rows["bare deepspeed, quickest supervisor"])
+        print(f"recovery: a rank SIGKILLed at step ~50 -> first optimizer step after the resume ({hosts} hosts x 1 "
+              "CPU rank, ZeRO-2, checkpoint every 20)")
+        print(f"{'':<36}{'median s':>9}{'vs bare':>9}   runs")
+        for name, runs in rows.items():
+            print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
+                  + " ".join(f"{x:.1f}" for x in runs), flush=True)
     if not args.no_overhead:
         runs = {(mode, on): [] for mode in ("ssh", "nossh") for on in (True, False)} | {("bare", None): []}
         for _ in range(args.repeats):  # interleaved, so drift hits every row alike
@@ -230,12 +291,14 @@ def main() -> int:
                 f"chart, {mode}, hang detection {'on' if on else 'off'}"
             print(f"{name:<44}{statistics.median(values_):>9,.0f}{statistics.median(values_) / bare:>8.2f}x   "
                   + " ".join(f"{x:,.0f}" for x in values_))
-    print("\nfault drill: a rank of worker 1 at step ~50 of 200, checkpoint every 20, the chart's hang budgets "
-          "(300 s to the first step, 120 s per step), runRetries 1")
-    print(f"{'fault':<11}{'mode':<7}{'trial':>6}{'detected after s':>18}{'resumed after s':>17}{'trained':>9}"
-          f"{'resumed':>9}{'lost':>6}{'pods recreated':>16}{'budget used':>13}{'finished':>10}")
-    show = lambda x: "-" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
-    for fault in filter(None, args.faults.split(",")):
+    faults = [f for f in args.faults.split(",") if f]
+    if faults:
+        print("\nfault drill: a rank of worker 1 at step ~50 of 200, checkpoint every 20, the chart's hang budgets "
+              "(300 s to the first step, 120 s per step), runRetries 1")
+        print(f"{'fault':<11}{'mode':<7}{'trial':>6}{'detected after s':>18}{'resumed after s':>17}{'trained':>9}"
+              f"{'resumed':>9}{'lost':>6}{'pods recreated':>16}{'budget used':>13}{'finished':>10}")
+        show = lambda x: "-" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
+    for fault in faults:
         for mode in ("ssh", "nossh"):
             for i in range(args.trials):
                 t = fault_trial(extensions, mode, fault)
