@@ -106,21 +106,26 @@ be overridden by them), and those that make the ranks' shells run code or parse 
 chart's in files/reserved-env.json, DeepSpeed's generated from train/deepspeed_mirror.py.
 */}}
 {{- define "deepspeed-training.reservedEnvNames" -}}
-{{- $names := (.Files.Get "files/generated/deepspeed.json" | fromJson).launcherEnv }}
-{{- range $group, $list := omit (.Files.Get "files/reserved-env.json" | fromJson) "why" }}
-{{- $names = concat $names $list }}
+{{- $names := dict }}
+{{- range (.Files.Get "files/generated/deepspeed.json" | fromJson).launcherEnv }}
+{{- $_ := set $names . "set by DeepSpeed's launcher" }}
+{{- end }}
+{{- range $who, $list := omit (.Files.Get "files/reserved-env.json" | fromJson) "why" }}
+{{- range $list }}
+{{- $_ := set $names . $who }}
+{{- end }}
 {{- end }}
 {{- $names | toJson }}
 {{- end }}
 
 {{- define "deepspeed-training.validateEnv" -}}
-{{- $reserved := include "deepspeed-training.reservedEnvNames" . | fromJsonArray }}
+{{- $reserved := include "deepspeed-training.reservedEnvNames" . | fromJson }}
 {{- /* envFrom's keys are unknown here: its prefix must keep every name it makes off the reserved ones. */}}
 {{- range $i, $e := .Values.worker.extraEnvFrom }}
 {{- $prefix := toString ($e.prefix | default "") }}
-{{- range $reserved }}
-{{- if hasPrefix $prefix . }}
-{{- fail (printf "worker.extraEnvFrom[%d].prefix %q: with it a key of the ConfigMap or Secret could form %s, which the chart or DeepSpeed's launcher sets (or a shell reads at start-up); use a prefix no such name starts with (e.g. APP_)" $i $prefix .) }}
+{{- range $name, $who := $reserved }}
+{{- if hasPrefix $prefix $name }}
+{{- fail (printf "worker.extraEnvFrom[%d].prefix %q: with it a key of the ConfigMap or Secret could form %s, which is %s; use a prefix no such name starts with (e.g. APP_)" $i $prefix $name $who) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -128,8 +133,8 @@ chart's in files/reserved-env.json, DeepSpeed's generated from train/deepspeed_m
 {{- range $key, $entries := dict "env" .Values.env "worker.extraEnv" .Values.worker.extraEnv }}
 {{- range $i, $e := $entries }}
 {{- $where := printf "%s[%d] (%s)" $key $i $e.name }}
-{{- if has $e.name $reserved }}
-{{- fail (printf "%s: %s is set by the chart or DeepSpeed's launcher; choose another name" $where $e.name) }}
+{{- if hasKey $reserved (toString $e.name) }}
+{{- fail (printf "%s: %s is %s; choose another name" $where $e.name (get $reserved (toString $e.name))) }}
 {{- end }}
 {{- if hasKey $seen $e.name }}
 {{- fail (printf "%s: %s is already set by %s; each env name once" $where $e.name (get $seen $e.name)) }}
