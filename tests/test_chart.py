@@ -2,6 +2,7 @@
 
 import base64
 import json
+import re
 import subprocess
 
 import pytest
@@ -573,6 +574,8 @@ def test_every_env_name_the_chart_or_deepspeed_sets_is_reserved():
     import inspect
 
     import deepspeed.launcher.launch as launch
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
     from train.deepspeed_mirror import LAUNCHER_ENV
     reserved = reserved_env_names()
@@ -599,13 +602,22 @@ def test_every_env_name_the_chart_or_deepspeed_sets_is_reserved():
     attempts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(attempts)
     assert set(attempts.ENV_KEYS) - reserved == set()
-    assert {"PDSH_RCMD_TYPE", "PDSH_SSH_ARGS_APPEND"} <= reserved
-    # DeepSpeed's launcher: every `current_env[NAME] = ...` in its main(), the pinned version's own source.
-    assigned = set()
+    exported = {name for script in (CHART / "files").glob("*.sh")
+                for line in script.read_text().splitlines() if line.strip().startswith("export ")
+                for name in re.findall(r"\b([A-Z_][A-Z0-9_]*)=", line)}
+    assert "PDSH_RCMD_TYPE" in exported and exported - reserved == set()
+    # DeepSpeed's launcher: every `current_env[NAME] = ...` in its main(), the pinned version's own source, and
+    # what the calls that get current_env set (only the accelerator's visible devices, and Popen, which runs it).
+    assigned, calls = set(), set()
     for node in ast.walk(ast.parse(inspect.getsource(launch))):
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript) \
                 and getattr(node.targets[0].value, "id", "") == "current_env":
             key = node.targets[0].slice
             assigned.add(key.value if isinstance(key, ast.Constant) else getattr(launch, key.id))
+        if isinstance(node, ast.Call) and any(getattr(a, "id", "") == "current_env" for a in node.args):
+            calls.add(getattr(node.func, "attr", getattr(node.func, "id", "")))
+    assert calls == {"set_visible_devices_envs"}, calls
+    for accelerator in (CUDA_Accelerator, CPU_Accelerator):  # the chart's GPU and CPU ranks
+        assigned |= set(accelerator.visible_devices_envs(None))
     assert assigned - {"OMP_NUM_THREADS"} == set(LAUNCHER_ENV)  # OMP_NUM_THREADS: only with --bind_cores_to_rank
     assert set(LAUNCHER_ENV) <= reserved
