@@ -326,10 +326,9 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
     ds_source = f"templates/{template}" + (
         f" + deepspeed.overrides from {', '.join(override_files)}" if overrides else "")
     try:
-        batch = dsconfig.validate(ds_config, layout, ds_source, fills_auto=effective["train"]["fillsDsConfigAuto"])
-        dsconfig.check_pipeline(ds_config, layout.pipeline_stages, ds_source)
-        if runs_train_package(effective):  # its schedule against its steps, as its ranks check (train.main)
-            dsconfig.check_schedule_length(ds_config, steps, ds_source)
+        # The train package's schedule against its steps, as its ranks check; other programs count their own.
+        batch = dsconfig.check_run(ds_config, layout, ds_source, steps=steps if runs_train_package(effective) else None,
+                                   fills_auto=effective["train"]["fillsDsConfigAuto"])
     except dsconfig.DsConfigError as err:
         raise DeployError(str(err)) from None
     return ds_config, batch

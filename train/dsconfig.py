@@ -185,6 +185,18 @@ def validate(config: dict, layout: Layout, source: str, *, fills_auto: bool = Fa
     return sizes
 
 
+def check_run(config: dict, layout: Layout, source: str, *, steps: int | None = None, fills_auto: bool = False
+              ) -> tuple[int | None, int | None, int | None]:
+    """Everything a ds_config is checked for before a run, short of a rank's own hardware: validate() for the
+    layout's ranks, what its pipeline stages cannot run, and, where the run's step count is known (the train
+    package's `steps`), the schedule against it. The glue, the chart's config check and every rank call this."""
+    batch = validate(config, layout, source, fills_auto=fills_auto)
+    check_pipeline(config, layout.pipeline_stages, source)
+    if steps is not None:
+        check_schedule_length(config, steps, source)
+    return batch
+
+
 def check_pipeline(config: dict, stages: int, source: str) -> None:
     """What pipeline parallelism (model.pipeline_stages > 1) cannot run: ZeRO 2 and 3 (DeepSpeed asserts in
     PipelineEngine after the optimizer is built), and ZeRO 0 with gradient clipping, which DeepSpeed computes

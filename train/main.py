@@ -79,10 +79,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[Layout, dict, tuple
         raise ConfigError(str(err)) from None
     check_chart_paths(cfg)
     ds_config = dsconfig.load(cfg.ds_config)
-    batch = dsconfig.validate(ds_config, layout, cfg.ds_config)
-    dsconfig.check_pipeline(ds_config, layout.pipeline_stages, cfg.ds_config)
-    dsconfig.check_schedule_length(ds_config, cfg.steps, cfg.ds_config)
-    return layout, ds_config, batch
+    return layout, ds_config, dsconfig.check_run(ds_config, layout, cfg.ds_config, steps=cfg.steps)
 
 
 def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:

@@ -49,7 +49,7 @@ def check(train_package: bool, fills_auto: bool, cpu_ranks: bool, argv: list[str
         path = os.environ["DS_CONFIG_PATH"]
         layout = Layout(world_size)
         ds_config = dsconfig.load(path)
-        batch = dsconfig.validate(ds_config, layout, path, fills_auto=fills_auto)
+        batch = dsconfig.check_run(ds_config, layout, path, fills_auto=fills_auto)
     if cpu_ranks:
         dsconfig.check_optimizer_kernel(ds_config, "cpu", os.environ["DS_CONFIG_PATH"])
     micro, accum, total = ("auto" if n is None else n for n in batch)
