@@ -82,17 +82,19 @@ def chart_startup(extensions: Path, mode: str, workers: int = 2) -> float:
         return first - started
 
 
+def start_bare(cluster: Cluster, log_suffix: str) -> list:
+    """`deepspeed --no_ssh --node_rank=i` started directly on every worker host: the chart's own deepspeed command
+    and program, nothing around it; logs in <pod>-<log_suffix>.log."""
+    return [cluster.start(w, [w.container["args"][0], f"--node_rank={i}", *w.container["args"][1:]],
+                          log_name=f"{w.name}-{log_suffix}") for i, w in enumerate(cluster.pods_of("worker"))]
+
+
 def bare_startup(extensions: Path, workers: int = 2) -> float:
-    """`deepspeed --no_ssh --node_rank=i` started directly on every host: the chart's own deepspeed command
-    and program, nothing around it."""
+    """Bare deepspeed on every host (start_bare): all started to the first logged step."""
     with Cluster(render(values(extensions, "nossh", workers, steps=5, log_every=1, checkpoint_every=0))) as cluster:
         workers = cluster.pods_of("worker")
         started = time.monotonic()
-        processes = []
-        for i, worker in enumerate(workers):
-            command = worker.container["args"]
-            processes.append(cluster.start(worker, [command[0], f"--node_rank={i}", *command[1:]],
-                                           log_name=f"{worker.name}-bare"))
+        processes = start_bare(cluster, "bare")
         worker0_log = cluster.tmp / f"{workers[0].name}-bare.log"
         first = wait_for(lambda: worker0_log.exists() and FIRST_STEP.search(worker0_log.read_text(errors="replace")),
                          300, "the first step", interval=0.05)
@@ -180,15 +182,11 @@ def bare_recovery(extensions: Path, workers: int = 2) -> float:
     with Cluster(render(v)) as cluster:
         hosts = cluster.pods_of("worker")
 
-        def start_all(attempt: int) -> list:
-            return [cluster.start(w, [w.container["args"][0], f"--node_rank={i}", *w.container["args"][1:]],
-                                  log_name=f"{w.name}-bare{attempt}") for i, w in enumerate(hosts)]
-
         def log(attempt: int) -> str:
             path = cluster.tmp / f"{hosts[0].name}-bare{attempt}.log"
             return path.read_text(errors="replace") if path.exists() else ""
 
-        processes = start_all(1)
+        processes = start_bare(cluster, "bare1")
         wait_for(lambda: re.search(r"INFO step (4[5-9]|5[0-9])/", log(1)), 300, "step ~50", lambda: log(1), 0.05)
         killed = time.monotonic()
         os.kill(cluster.rank_pids(hosts[1], ranks_only=True)[0], signal.SIGKILL)
@@ -198,7 +196,7 @@ def bare_recovery(extensions: Path, workers: int = 2) -> float:
             cluster.kill(host)
         for process in processes:
             process.wait(timeout=60)
-        processes = start_all(2)
+        processes = start_bare(cluster, "bare2")
         recovered = wait_for(lambda: RESUMED_STEP.search(log(2)), 300, "the first step after the resume",
                              lambda: log(2), 0.05)
         for host in hosts:
@@ -221,8 +219,7 @@ def healthy_run(extensions: Path, mode: str, detection: bool | None) -> float:
     with Cluster(render(v)) as cluster:
         if detection is None:
             workers = cluster.pods_of("worker")
-            processes = [cluster.start(w, [w.container["args"][0], f"--node_rank={i}", *w.container["args"][1:]],
-                                       log_name=f"{w.name}-bare") for i, w in enumerate(workers)]
+            processes = start_bare(cluster, "bare")
             for process in processes:
                 process.wait(timeout=300)
             return steady_tokens_s((cluster.tmp / f"{workers[0].name}-bare.log").read_text(errors="replace"))
