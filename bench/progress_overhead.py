@@ -9,7 +9,6 @@ while a rank beats STEPS_PER_S steps a second and a scraper reads /metrics every
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.ports import free_port  # noqa: E402
+
 STEPS_PER_S = 100
 BEATS = """
 import os, sys, time
@@ -77,9 +80,7 @@ def main() -> None:
             ("beat(), rank 0 (state line + progress.json)", {"RANK": "0", "DS_RANK_STATE_DIR": state_dir}))]
         rows.append(("goodput record, rank 0 (the .step line; the record every 2 s)",
                      f"{per_goodput_step_us(state_dir):.2f} us/step"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         sidecar = subprocess.Popen([sys.executable, str(ROOT / "charts/deepspeed-training/files/progress.py"),
                                     "--metrics-port", str(port)], env={**base, "DS_RANK_STATE_DIR": state_dir},
                                    stdout=subprocess.DEVNULL)

@@ -4,7 +4,6 @@ and the dashboard's queries (charts/deepspeed-training/dashboards/deepspeed-trai
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import urllib.parse
@@ -12,15 +11,10 @@ import urllib.request
 from pathlib import Path
 
 from tests.helm_template import ROOT
+from tests.ports import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARD = ROOT / "charts" / "deepspeed-training" / "dashboards" / "deepspeed-training.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query(port: int, expr: str) -> list:

@@ -18,7 +18,8 @@ import pytest
 
 from tests.e2e.harness import wait_for
 from tests.helm_template import ROOT
-from tests.prometheus import DASHBOARD, PROMETHEUS, dashboard_queries, free_port, query, scraping
+from tests.ports import free_port
+from tests.prometheus import DASHBOARD, PROMETHEUS, dashboard_queries, query, scraping
 
 FILES = ROOT / "charts" / "deepspeed-training" / "files"
 sys.path.insert(0, str(FILES))

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,12 +32,6 @@ def cpu_ds_config(stage: int = 2, micro: int = 4, accum: int | None = 1, **extra
         del config["gradient_accumulation_steps"]
     config.update(extra)
     return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_env() -> dict:
