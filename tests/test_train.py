@@ -10,7 +10,17 @@ import time
 import numpy as np
 import pytest
 
-from tests.train_run import cpu_ds_config, launch, metrics, run_single, run_train, write_ds_config
+from tests.train_run import (
+    Ranks,
+    cpu_ds_config,
+    launch,
+    launch_argv_env,
+    metrics,
+    run_single,
+    run_train,
+    stop_with_stacks,
+    write_ds_config,
+)
 from train import checkpoint
 
 TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
@@ -231,3 +241,29 @@ def test_ds_config_monitor_section_records_the_loss(tmp_path):
     assert "Train_Samples_train_loss.csv" in files and "Train_Samples_lr.csv" in files, files
     rows = files["Train_Samples_train_loss.csv"].read_text().splitlines()
     assert len(rows) == 1 + 6  # header and one row per step
+
+
+def listening(port: int) -> bool:
+    """Something on this machine listens on the TCP port (/proc/net/tcp*, state 0A): no connection is made."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            if any(int(row.split()[1].rsplit(":", 1)[1], 16) == port and row.split()[3] == "0A"
+                   for row in list(rows)[1:]):
+                return True
+    return False
+
+
+def test_a_run_past_its_time_is_stopped_with_each_ranks_stack(tmp_path):
+    """What a rare hang leaves its reader: where each rank was blocked when the harness gave up on it. Rank 0 of
+    two, alone, waits in the rendezvous for rank 1 forever."""
+    ds_config = write_ds_config(tmp_path, cpu_ds_config())
+    args = ["--ds-config", str(ds_config), "--steps", "2", *TINY]
+    argv, env = launch_argv_env(args, ranks=2)[0]
+    process = Ranks(args, [(argv, env)])
+    deadline = time.monotonic() + 120
+    while not listening(int(env["MASTER_PORT"])):
+        assert process.processes[0].poll() is None and time.monotonic() < deadline, "rank 0 never listened"
+        time.sleep(0.1)
+    out = stop_with_stacks(process)
+    assert "Fatal Python error: Aborted" in out and "Current thread" in out, out[-3000:]
+    assert "in init_process_group" in out, out[-3000:]  # the frame it was blocked in

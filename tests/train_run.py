@@ -3,7 +3,9 @@
 import atexit
 import json
 import os
+import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -36,7 +38,8 @@ def cpu_ds_config(stage: int = 2, micro: int = 4, accum: int | None = 1, **extra
 
 def train_env() -> dict:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    # PYTHONFAULTHANDLER: a rank killed by a signal (a crash, or stop_with_stacks) prints every thread's stack.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".build" / "torch_extensions")),
                PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
     return env
@@ -136,6 +139,9 @@ class Zygote:
 def start_rank(args: list[str], env: dict, out_fd: int, group: int):
     """One rank process running `python -m train ARGS`: forked by the zygote when it can serve this env, else a
     fresh interpreter. Its output goes to out_fd; it joins process group `group` (0: its own)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    if soft != 0:  # stop_with_stacks aborts ranks: no multi-GB core files in the repository
+        resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
     zygote = Zygote.get()
     if zygote is not None and zygote.serves(env):
         return zygote.fork(args, env, out_fd, group)
@@ -177,11 +183,29 @@ class Ranks:
         return self._rest[0], None
 
 
-def launch(args: list[str], ranks: int = 2) -> Ranks:
+def launch_argv_env(args: list[str], ranks: int = 2) -> list[tuple[list[str], dict]]:
+    """Each rank's (arguments, env), as DeepSpeed's launcher gives them on one node."""
     env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
            "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
-    return Ranks(args, [([f"--local_rank={rank}", *args], {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                        for rank in range(ranks)])
+    return [([f"--local_rank={rank}", *args], {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            for rank in range(ranks)]
+
+
+def launch(args: list[str], ranks: int = 2) -> Ranks:
+    return Ranks(args, launch_argv_env(args, ranks))
+
+
+def stop_with_stacks(process: Ranks) -> str:
+    """Ends ranks that ran past their time and returns their output, which then ends with each rank's Python
+    stacks: SIGABRT runs faulthandler (PYTHONFAULTHANDLER, train_env), which prints every thread's stack even
+    while the rank is blocked in C++ (a collective, a rendezvous); SIGKILL for any rank still there after 10 s."""
+    os.killpg(process.pid, signal.SIGABRT)
+    try:
+        out, _ = process.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+    return out
 
 
 def run_train(args: list[str], ranks: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -190,9 +214,9 @@ def run_train(args: list[str], ranks: int = 2, timeout: float = 240) -> subproce
     try:
         out, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        out, _ = process.communicate()
-        raise AssertionError(f"train run timed out after {timeout}s:\n{out[-5000:]}") from None
+        out = stop_with_stacks(process)
+        raise AssertionError(f"train run timed out after {timeout}s; its output, each rank's stacks last:\n"
+                             f"{out[-12000:]}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, out)
 
 
