@@ -1,5 +1,6 @@
 """`render_chart()`: the real `helm template` of the chart, parsed. Tests assert fields of what it returns."""
 
+import copy
 import json
 import os
 import shutil
@@ -43,6 +44,26 @@ def render_chart(values: dict | None = None, *, show_only: list[str] | None = No
     helm = helm or HELM
     if helm is None:
         raise RuntimeError("no helm binary: run `make setup`")
+    key = json.dumps([values, show_only, [(str(f), Path(f).read_text()) for f in values_files], helm, release,
+                      namespace, with_image, list(api_versions)], sort_keys=True, default=str)
+    if key not in _renders:
+        try:
+            _renders[key] = _render(values, show_only, values_files, helm, release, namespace, with_image,
+                                    api_versions)
+        except HelmError as refused:
+            _renders[key] = refused
+    if isinstance(_renders[key], HelmError):
+        raise HelmError(_renders[key].stderr)
+    return copy.deepcopy(_renders[key])
+
+
+# Renders by their inputs, in this process: the same values rendered again (another Kubernetes minor, another
+# check of one release) read the first render instead of running helm again. The chart cannot change under a
+# test session.
+_renders: dict[str, "list[dict] | HelmError"] = {}
+
+
+def _render(values, show_only, values_files, helm, release, namespace, with_image, api_versions) -> list[dict]:
     cmd = [helm, "template", release, str(CHART), "--namespace", namespace]
     with tempfile.TemporaryDirectory() as tmp:
         def write(i: int, layer: dict) -> Path:
