@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.e2e.harness import wait_for
 from tests.train_run import (
     Ranks,
     cpu_ds_config,
@@ -260,10 +261,9 @@ def test_a_run_past_its_time_is_stopped_with_each_ranks_stack(tmp_path):
     args = ["--ds-config", str(ds_config), "--steps", "2", *TINY]
     argv, env = launch_argv_env(args, ranks=2)[0]
     process = Ranks(args, [(argv, env)])
-    deadline = time.monotonic() + 120
-    while not listening(int(env["MASTER_PORT"])):
-        assert process.processes[0].poll() is None and time.monotonic() < deadline, "rank 0 never listened"
-        time.sleep(0.1)
+    wait_for(lambda: listening(int(env["MASTER_PORT"])) or process.processes[0].poll() is not None, 120,
+             "rank 0 to listen for its peers")
+    assert process.processes[0].poll() is None, "rank 0 ended before its rendezvous"
     out = stop_with_stacks(process)
     assert "Fatal Python error: Aborted" in out and "Current thread" in out, out[-3000:]
     assert "in init_process_group" in out, out[-3000:]  # the frame it was blocked in
