@@ -31,7 +31,9 @@ def _ephemeral_start() -> int:
         return 32_768  # Linux's default
 
 
-_candidates = itertools.cycle(range(FIRST + _block() * BLOCK, FIRST + (_block() + 1) * BLOCK))
+_FIRST_OF_BLOCK = FIRST + _block() * BLOCK
+_candidates = itertools.cycle(range(_FIRST_OF_BLOCK, _FIRST_OF_BLOCK + BLOCK))
+_EPHEMERAL_ONLY = FIRST + BLOCKS * BLOCK > _ephemeral_start()  # a machine whose ephemeral range starts that low
 
 
 def _bindable(port: int) -> bool:
@@ -45,7 +47,7 @@ def _bindable(port: int) -> bool:
 
 def free_port() -> int:
     """A port no other process holds now and none will be handed by the kernel (see the module's doc)."""
-    if FIRST + BLOCKS * BLOCK > _ephemeral_start():  # a machine whose ephemeral range starts low: the old way
+    if _EPHEMERAL_ONLY:  # no range is safe there: the old way
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
