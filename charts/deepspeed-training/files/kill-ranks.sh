@@ -48,11 +48,12 @@ kill_where restoring "still loading its checkpoint, nothing to save"
 # Only the ranks: deepspeed.launcher.launch reaps them and exits, and would SIGKILL them itself after 30 s.
 # shellcheck disable=SC2086
 kill -TERM ${ranks:-$launchers} 2> /dev/null
-for ((i = 0; i < grace; i++)); do
+# Checked every 0.1 s: the pod (and the launcher's next attempt) goes on as soon as the ranks are gone.
+for ((tick = 0; tick < grace * 10; tick++)); do
   # shellcheck disable=SC2086
   kill -0 $targets 2> /dev/null || exit 0
-  ((i == ack_seconds)) && kill_where training "no answer to SIGTERM in ${ack_seconds}s: stuck in a collective, cannot save"
-  sleep 1
+  ((tick == ack_seconds * 10)) && kill_where training "no answer to SIGTERM in ${ack_seconds}s: stuck in a collective, cannot save"
+  sleep 0.1
 done
 log "still running after ${grace}s, sending SIGKILL"
 # shellcheck disable=SC2086
