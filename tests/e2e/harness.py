@@ -288,13 +288,18 @@ class Cluster:
             for i, pod in enumerate(self.pods):
                 self._add_host(i, pod)
         except BaseException:
-            self.__exit__(None, None, None)
+            self.__exit__(None, None, None)  # nothing ran yet: no logs to keep
             raise
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for pod in self.pods:
             self.kill(pod)
+        if exc_type is not None:  # a failed test: every pod's whole log outlives the hosts (its message has a tail)
+            kept = Path(tempfile.gettempdir()) / "ds-e2e-failed" / self.tmp.name
+            shutil.copytree(self.tmp, kept, ignore=lambda _, names: [n for n in names if not n.endswith(".log")],
+                            dirs_exist_ok=True)
+            print(f"e2e: the pods' logs of this failed test are kept in {kept}")
         for pod in self.pods:
             subprocess.run(["ip", "netns", "del", pod.netns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{pod.netns}", ignore_errors=True)
