@@ -297,9 +297,12 @@ class Cluster:
             self.kill(pod)
         if exc_type is not None:  # a failed test: every pod's whole log outlives the hosts (its message has a tail)
             kept = Path(tempfile.gettempdir()) / "ds-e2e-failed" / self.tmp.name
-            shutil.copytree(self.tmp, kept, ignore=lambda _, names: [n for n in names if not n.endswith(".log")],
-                            dirs_exist_ok=True)
-            print(f"e2e: the pods' logs of this failed test are kept in {kept}")
+            try:
+                shutil.copytree(self.tmp, kept, ignore=lambda _, names: [n for n in names if not n.endswith(".log")],
+                                dirs_exist_ok=True)
+                print(f"e2e: the pods' logs of this failed test are kept in {kept}")
+            except OSError as err:  # never at the cost of the clean-up below, nor of the test's own error
+                print(f"e2e: could not keep the pods' logs in {kept}: {err}")
         for pod in self.pods:
             subprocess.run(["ip", "netns", "del", pod.netns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{pod.netns}", ignore_errors=True)
