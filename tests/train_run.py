@@ -17,6 +17,11 @@ from pathlib import Path
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+# The ranks' env starts from this process's env as the session began. Tests call the glue and the config check in
+# this process, and they set DS_ACCELERATOR for DeepSpeed's import (deployctl.quiet_deepspeed, preflight.check):
+# read at each run instead, one such test made every later rank in the worker differ from the zygote in an
+# import-time variable, so each became a fresh interpreter (test_train_layouts: 20 s -> 93 s).
+SESSION_ENV = dict(os.environ)
 
 
 def cpu_ds_config(stage: int = 2, micro: int = 4, accum: int | None = 1, **extra) -> dict:
@@ -37,7 +42,7 @@ def cpu_ds_config(stage: int = 2, micro: int = 4, accum: int | None = 1, **extra
 
 
 def train_env() -> dict:
-    env = dict(os.environ)
+    env = dict(SESSION_ENV)
     # PYTHONFAULTHANDLER: a rank killed by a signal (a crash, or stop_with_stacks) prints every thread's stack.
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".build" / "torch_extensions")),
