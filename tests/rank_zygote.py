@@ -6,8 +6,8 @@ whose env differs in what is read at import (IMPORT_TIME_ENV). The e2e and clust
 
 Usage: python -u tests/rank_zygote.py SOCKET   (serves until its parent exits)
 Protocol, one connection per rank: the client sends a JSON request {"argv", "env", "cwd", "pgid"} with its
-output pipe's write end attached (SCM_RIGHTS); the zygote answers {"pid": N}, then {"status": S} when the rank
-ends (S as Popen.returncode: the exit code, or -signal).
+output pipe's write end attached (SCM_RIGHTS); the zygote answers {"pid": N} once the rank is in process group
+pgid (0: its own), then {"status": S} when the rank ends (S as Popen.returncode: the exit code, or -signal).
 """
 
 import json
@@ -110,6 +110,14 @@ def main(path: str) -> int:
                 server.close()
                 run_rank(request, fds[0])
             os.close(fds[0])
+            # The shells' rule: parent and child both set the child's group, so the group exists when the client
+            # hears the pid (the next rank joins it at once, a test signals it). The child alone raced: a second
+            # rank's setpgid could run before the first rank's, fail (EPERM) and leave the first rank waiting in
+            # its rendezvous until the test's timeout.
+            try:
+                os.setpgid(pid, request["pgid"] or pid)
+            except OSError:
+                pass  # the child sets it too, and reports why it cannot
             connections[pid] = conn
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     return 0
