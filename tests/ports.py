@@ -45,14 +45,19 @@ def _bindable(port: int) -> bool:
     return True
 
 
+# Every port this process has handed out: what names its ranks' /dev/shm buffers (tests/conftest.py).
+handed_out: set[int] = set()
+
+
 def free_port() -> int:
     """A port no other process holds now and none will be handed by the kernel (see the module's doc)."""
     if _EPHEMERAL_ONLY:  # no range is safe there: the old way
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    for _ in range(BLOCK):
-        port = next(_candidates)
-        if _bindable(port):
-            return port
-    raise RuntimeError(f"no free port in this process's block ({FIRST}-{FIRST + BLOCKS * BLOCK - 1})")
+            port = s.getsockname()[1]
+    else:
+        port = next((port for port in itertools.islice(_candidates, BLOCK) if _bindable(port)), None)
+        if port is None:
+            raise RuntimeError(f"no free port in this process's block ({FIRST}-{FIRST + BLOCKS * BLOCK - 1})")
+    handed_out.add(port)
+    return port
