@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from scripts import deployctl
+from tests.conftest import release_shm_buffers
 from tests.glue_tree import edit, run, set_key, write
 from tests.helm_template import HELM, ROOT, render_chart
 
@@ -115,6 +116,18 @@ def test_make_targets_guard_their_variables():
     assert proc.returncode != 0 and "PROJECT is required for deploy" in proc.stderr
 
 
+@pytest.fixture
+def demo_shm_buffers():
+    """The demo's ranks run on DeepSpeed's default port, which no other test uses on this machine; a program that
+    does not release its /dev/shm buffer (the HF example) leaves it, and the session's clean-up takes only the
+    ports it handed out (tests/conftest.py)."""
+    yield
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT  # noqa: PLC0415 - imports deepspeed
+
+    release_shm_buffers({TORCH_DISTRIBUTED_DEFAULT_PORT})
+
+
+@pytest.mark.usefixtures("demo_shm_buffers")
 def test_make_demo_runs_the_dev_render_as_a_local_deepspeed_job():
     shutil.rmtree(ROOT / "build" / "demo", ignore_errors=True)
     proc = subprocess.run(["make", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -126,6 +139,7 @@ def test_make_demo_runs_the_dev_render_as_a_local_deepspeed_job():
     assert json.loads((ROOT / "build/demo/base/checkpoints/metrics.json").read_text())["steps"] == 40
 
 
+@pytest.mark.usefixtures("demo_shm_buffers")
 def test_make_demo_runs_a_projects_own_program():
     shutil.rmtree(ROOT / "build" / "demo" / "hf-example", ignore_errors=True)
     proc = subprocess.run(["make", "demo", "PROJECT=hf-example"], cwd=ROOT, capture_output=True, text=True,
