@@ -24,7 +24,10 @@ def hang_values(shared_dir, mode: str, steps: int) -> dict:
     values = e2e_values(shared_dir, steps=steps, log_every=20, checkpoint_every=20)
     values["launchMode"] = mode
     values["job"]["runRetries"] = 1
-    values["hangDetection"] = {"enabled": True, "startupSeconds": 120, "stepSeconds": STEP_BUDGET_S}
+    # The stop may land in a save (every 20 steps): checkpointSeconds bounds that as stepSeconds bounds a step (with
+    # the default 900 s a rank stopped mid-save went unreported for the test's 40 s).
+    values["hangDetection"] = {"enabled": True, "startupSeconds": 120, "stepSeconds": STEP_BUDGET_S,
+                               "checkpointSeconds": STEP_BUDGET_S}
     values["worker"]["terminationGracePeriodSeconds"] = 20
     return values
 
