@@ -124,6 +124,18 @@ BAD = {
     "claim spec with an unknown access mode": ({"worker": {"replicas": 1}, "checkpoints": {"volumeClaimSpec": {
         "accessModes": ["ReadWriteSometimes"]}}}, ["accessModes"]),
     "tolerations as a string": ({"worker": {"tolerations": "all"}}, ["tolerations"]),
+    # Resource names Kubernetes does not know, in every resources map (the API server would refuse them mid-install)
+    "resource name typo": ({"worker": {"resources": {"requests": {"memroy": "2Gi"}}}},
+                           ["worker.resources.requests", "memroy"]),
+    "made-up bare resource": ({"launcher": {"resources": {"limits": {"gpu": 1}}}}, ["launcher.resources.limits", "gpu"]),
+    "resource in kubernetes.io": ({"worker": {"resources": {"limits": {"kubernetes.io/batteries": 1}}}},
+                                  ["worker.resources.limits", "kubernetes.io/batteries"]),
+    "sidecar given a GPU": ({"progress": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
+                            ["progress.resources.limits", "nvidia.com/gpu"]),
+    "claim asking for cpu": ({"worker": {"replicas": 1}, "checkpoints": {"volumeClaimSpec": {"resources": {
+        "requests": {"cpu": "1"}}}}}, ["checkpoints.volumeClaimSpec.resources.requests", "cpu"]),
+    "GPU resource without a domain": ({"worker": {"gpuResourceName": "gpu"}}, ["gpuResourceName"]),
+    "GPU resource in kubernetes.io": ({"worker": {"gpuResourceName": "kubernetes.io/gpu"}}, ["gpuResourceName"]),
     # Isolation
     "worker label spoofs the instance": ({"worker": {"podLabels": {"app.kubernetes.io/instance": "other"}}},
                                          ["worker.podLabels", "app.kubernetes.io/instance"]),

@@ -11,6 +11,7 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- include "deepspeed-training.validateProgram" . }}
 {{- include "deepspeed-training.validateDsConfig" . }}
 {{- include "deepspeed-training.validateLaunchMode" . }}
+{{- include "deepspeed-training.validateResources" . }}
 {{- with .Values.scheduling }}
 {{- if and .volcano.enabled .schedulerName (ne .schedulerName "volcano") }}
 {{- fail (printf "scheduling.volcano.enabled puts the pods in a Volcano PodGroup, but scheduling.schedulerName is %q: only the volcano scheduler honours it (leave schedulerName empty or set it to volcano)" .schedulerName) }}
@@ -443,6 +444,42 @@ worker.extraVolumes[{{ $i }}] ({{ $v.name }}): a projected service-account token
 worker.extraVolumes[{{ $i }}] ({{ $v.name }}): {{ $type }} volume (storage the chart does not scope to the release)
 {{- else if not (has $type (list "configMap" "downwardAPI" "emptyDir" "projected" "secret")) }}
 worker.extraVolumes[{{ $i }}] ({{ $v.name }}): {{ $type }} volume
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Every resources map of the chart names only resources Kubernetes knows: a container's standard ones (cpu, memory,
+ephemeral-storage, hugepages-<size>), on the ranks' containers also an extended resource (<domain>/<name>, outside
+kubernetes.io: GPUs), and a volume claim's storage. A typo (`memroy`) would render and be refused by the API server
+mid-install; a made-up bare name too; the sidecar runs no accelerator code.
+*/}}
+{{- define "deepspeed-training.validateResources" -}}
+{{- $standard := "^(cpu|memory|ephemeral-storage|hugepages-[0-9]+(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?)$" }}
+{{- $extended := "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" }}
+{{- $maps := list (list "worker.resources" .Values.worker.resources true) (list "launcher.resources" .Values.launcher.resources true) (list "progress.resources" .Values.progress.resources false) }}
+{{- range $map := $maps }}
+{{- $where := index $map 0 }}
+{{- $resources := index $map 1 | default dict }}
+{{- range $kind := list "requests" "limits" }}
+{{- range $name, $_ := (get $resources $kind) | default dict }}
+{{- $isExtended := and (regexMatch $extended $name) (not (contains "kubernetes.io/" $name)) }}
+{{- if not (or (regexMatch $standard $name) (and (index $map 2) $isExtended)) }}
+{{- if index $map 2 }}
+{{- fail (printf "%s.%s: %q is not a container resource Kubernetes knows: expected cpu, memory, ephemeral-storage, hugepages-<size> or an extended resource <domain>/<name> (e.g. nvidia.com/gpu)" $where $kind $name) }}
+{{- else }}
+{{- fail (printf "%s.%s: %q: the progress sidecar runs no accelerator code; expected cpu, memory or ephemeral-storage" $where $kind $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $claim := (.Values.checkpoints.volumeClaimSpec | default dict).resources | default dict }}
+{{- range $kind := list "requests" "limits" }}
+{{- range $name, $_ := (get $claim $kind) | default dict }}
+{{- if ne $name "storage" }}
+{{- fail (printf "checkpoints.volumeClaimSpec.resources.%s: %q: a volume claim asks only for storage" $kind $name) }}
 {{- end }}
 {{- end }}
 {{- end }}
