@@ -108,6 +108,16 @@ def test_resources_take_standard_hugepages_and_extended_names():
     assert worker["resources"]["limits"] == {"hugepages-2Mi": "1Gi", "example.com/fpga": 1, "nvidia.com/gpu": 1}
 
 
+def test_projected_volumes_of_plain_data_need_no_opt_in():
+    sources = [{"configMap": {"name": "c"}}, {"secret": {"name": "s"}}, {"clusterTrustBundle": {
+        "signerName": "example.com/ca", "path": "ca.pem"}}, {"downwardAPI": {"items": [
+            {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}]
+    docs = render_chart({"worker": {"extraVolumes": [{"name": "bundle", "projected": {"sources": sources}}]}})
+    pod = one(docs, "StatefulSet")["spec"]["template"]
+    assert "deepspeed-training/security-relaxations" not in pod["metadata"]["annotations"]
+    assert next(v for v in pod["spec"]["volumes"] if v["name"] == "bundle")["projected"]["sources"] == sources
+
+
 def test_gpu_resource_name_is_configurable():
     sts, _ = workloads(render_chart({"worker": {"gpuResourceName": "amd.com/gpu", "gpusPerWorker": 8}}))
     assert container(sts)["resources"]["limits"] == {"amd.com/gpu": 8}

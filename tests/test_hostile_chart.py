@@ -199,6 +199,13 @@ BAD = {
     "projected service-account token": ({"worker": {"extraVolumes": [{"name": "tok", "projected": {"sources": [
         {"serviceAccountToken": {"audience": "sts.amazonaws.com", "path": "token"}}]}}]}},
         ["service-account token", OPT_IN]),
+    "projected pod certificate": ({"worker": {"extraVolumes": [{"name": "cert", "projected": {"sources": [
+        {"podCertificate": {"signerName": "example.com/signer", "keyType": "ED25519",
+                            "credentialBundlePath": "bundle.pem"}}]}}]}},
+        ["worker.extraVolumes[0] (cert): a projected podCertificate", OPT_IN]),
+    "projected source the chart does not know": ({"worker": {"extraVolumes": [{"name": "x", "projected": {"sources": [
+        {"configMap": {"name": "c"}}, {"futureCredential": {"audience": "x"}}]}}]}},
+        ["a projected futureCredential", OPT_IN]),
     "checkpoints over /opt": ({"checkpoints": {"mountPath": "/opt"}}, ["checkpoints.mountPath", "/opt"]),
     "runner flag that shrinks the world": ({"deepspeed": {"runnerArgs": ["--num_gpus=1"]}},
                                            ["deepspeed.runnerArgs[0]", "--num_gpus"]),

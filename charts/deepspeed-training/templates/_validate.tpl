@@ -434,9 +434,15 @@ securityContext.capabilities.add: {{ . }}
 {{- end }}
 {{- end }}
 {{- range $i, $v := .Values.worker.extraVolumes }}
+{{- /* Projected sources are an allow-list of plain data: a service-account token, a pod certificate (a client
+       certificate the API server takes as the pod's account) or any source a later Kubernetes adds is a credential. */}}
 {{- range ((($v.projected | default dict).sources) | default list) }}
-{{- if hasKey . "serviceAccountToken" }}
+{{- range $source, $_ := . }}
+{{- if eq $source "serviceAccountToken" }}
 worker.extraVolumes[{{ $i }}] ({{ $v.name }}): a projected service-account token
+{{- else if not (has $source (list "configMap" "secret" "downwardAPI" "clusterTrustBundle")) }}
+worker.extraVolumes[{{ $i }}] ({{ $v.name }}): a projected {{ $source }} (a credential or a source the chart does not know: only configMap, secret, downwardAPI and clusterTrustBundle are plain data)
+{{- end }}
 {{- end }}
 {{- end }}
 {{- range $type, $_ := omit $v "name" }}
