@@ -806,10 +806,28 @@ def status(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> i
                           "installed?)") from None
     except Exception as err:  # no kubeconfig, no cluster: one line
         raise DeployError(f"cannot read {namespace}/{names[0]}: {type(err).__name__}: {err}") from None
-    print(data.get("summary", "(no summary yet)"))
-    for key in sorted(k for k in data if k != "summary"):
-        print(f"  {key:<16} {data[key]}")
+    print(progress_text(data))
     return 0
+
+
+# What a terminal must not receive from the cluster: control characters (C0, DEL, C1: escape sequences that clear the
+# screen, set the window title or write the clipboard with OSC 52), format characters (bidirectional overrides that
+# reorder what a person reads) and line or paragraph separators.
+UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb]")
+
+
+def printable(value, limit: int = 400) -> str:
+    """`value` as one line a terminal shows as it is: unprintable characters replaced by `?`, at most `limit`
+    characters (an object of the cluster can hold a megabyte in one field)."""
+    text = UNPRINTABLE.sub("?", str(value))
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def progress_text(data: dict) -> str:
+    """The progress ConfigMap's data for a person: its summary line, then every field, each printable()."""
+    lines = [printable(data.get("summary", "(no summary yet)"), 1000)]
+    lines += [f"  {printable(key, 40):<16} {printable(data[key])}" for key in sorted(k for k in data if k != "summary")]
+    return "\n".join(lines)
 
 
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

@@ -3,6 +3,7 @@ stops before `helm upgrade` is even printed, in one line naming the file and the
 look odd (null, quoted numbers, aliases) are accepted with their meaning intact."""
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -318,3 +319,19 @@ def test_fp16_on_cpu_ranks_is_a_plan_warning_whatever_this_machines_cpu(tree, ca
     code, out, err = run("plan", *DEV, capsys=capsys)
     assert code == 0, err
     assert "WARNING: fp16.enabled on CPU ranks" in out and "values/dev.yaml" in out and "avx512_fp16" in out
+
+
+HOSTILE_FIELDS = {"summary": "training \x1b[2J\x1b]0;owned\x07 | step 1", "reason": "\x1b]52;c;cm0gLXJmIH4K\x07 paste me",
+                  "run": "run-1\u202eexe.txt", "loss": "0.5\x9b31m", "goodput": "g" * 2_000_000, "step": "1\r\nstate: done",
+                  "state": "done\u2028forged"}
+
+
+def test_status_prints_nothing_raw_from_the_cluster():
+    """A field holding terminal escapes (clear screen, window title, OSC 52 clipboard), a bidirectional override,
+    a line break or a megabyte reaches whoever runs `make status` as one bounded, plain line."""
+    text = deployctl.progress_text(HOSTILE_FIELDS)
+    assert len(text) < 4000 and len(text.splitlines()) == 1 + len(HOSTILE_FIELDS) - 1
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e]", text), repr(text)
+    assert "step 1" in text and "paste me" in text and "run-1?exe.txt" in text
+    legit = deployctl.progress_text({"summary": "training | step 120/300 (40.0%) | loss 0.4064", "step": "120"})
+    assert legit == "training | step 120/300 (40.0%) | loss 0.4064\n  step             120"
