@@ -514,6 +514,11 @@ def human(size: float) -> str:
 
 
 RELAXATIONS_ANNOTATION = "deepspeed-training/security-relaxations"  # set by the chart's _validate.tpl
+# What checkpoints.resumeFrom (deploy.projectResumeFrom) grants, said wherever it is set.
+RESUME_FROM_TRUST = ("checkpoints.resumeFrom {source}: DeepSpeed loads checkpoints with "
+                     "torch.load(weights_only=False), which runs code stored in them: this release's ranks run the "
+                     "code of release {source}, with this release's secrets and volumes (whoever can write that "
+                     "release's checkpoint directory can)")
 LAUNCH_MODES = {"ssh": "ssh (a launcher Job runs deepspeed over pdsh to the workers' sshd)",
                 "nossh": "nossh (an Indexed Job: each worker runs deepspeed for its node rank, no sshd)"}
 
@@ -662,6 +667,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
     else:
         lines.append("  model       the program's own (no estimate)")
     lines += [f"  WARNING: {warning}" for warning in r.warnings]
+    if resume_from := r.effective["checkpoints"]["resumeFrom"]:
+        lines.append(f"  WARNING: {RESUME_FROM_TRUST.format(source=resume_from)}")
     for relaxation in security_relaxations(manifests):
         lines.append(f"  WARNING: security relaxed (allowSecurityRelaxations): {relaxation}")
     lines.append(f"  rendered    {r.out.relative_to(ROOT)}/values.yaml, ds_config.json, train_config.json, "

@@ -100,9 +100,10 @@ def test_empty_gpu_resource_name_requests_no_gpu():
 
 
 def test_resources_take_standard_hugepages_and_extended_names():
-    docs = render_chart({"worker": {"resources": {"requests": {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "10Gi"},
+    requests = {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "10Gi"}
+    docs = render_chart({"worker": {"resources": {"requests": requests,
                                                   "limits": {"hugepages-2Mi": "1Gi", "example.com/fpga": 1}}},
-                         "launcher": {"resources": {"limits": {"hugepages-1Gi": "2Gi", "rdma/hca_shared_devices_a": 1}}},
+                         "launcher": {"resources": {"limits": {"hugepages-1Gi": "2Gi", "rdma/hca_devices": 1}}},
                          "progress": {"resources": {"requests": {"cpu": "20m", "memory": "64Mi"}}}})
     worker = container(one(docs, "StatefulSet"))
     assert worker["resources"]["limits"] == {"hugepages-2Mi": "1Gi", "example.com/fpga": 1, "nvidia.com/gpu": 1}

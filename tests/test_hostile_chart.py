@@ -127,7 +127,8 @@ BAD = {
     # Resource names Kubernetes does not know, in every resources map (the API server would refuse them mid-install)
     "resource name typo": ({"worker": {"resources": {"requests": {"memroy": "2Gi"}}}},
                            ["worker.resources.requests", "memroy"]),
-    "made-up bare resource": ({"launcher": {"resources": {"limits": {"gpu": 1}}}}, ["launcher.resources.limits", "gpu"]),
+    "made-up bare resource": ({"launcher": {"resources": {"limits": {"gpu": 1}}}},
+                              ["launcher.resources.limits", "gpu"]),
     "resource in kubernetes.io": ({"worker": {"resources": {"limits": {"kubernetes.io/batteries": 1}}}},
                                   ["worker.resources.limits", "kubernetes.io/batteries"]),
     "sidecar given a GPU": ({"progress": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},

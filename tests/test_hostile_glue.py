@@ -321,8 +321,9 @@ def test_fp16_on_cpu_ranks_is_a_plan_warning_whatever_this_machines_cpu(tree, ca
     assert "WARNING: fp16.enabled on CPU ranks" in out and "values/dev.yaml" in out and "avx512_fp16" in out
 
 
-HOSTILE_FIELDS = {"summary": "training \x1b[2J\x1b]0;owned\x07 | step 1", "reason": "\x1b]52;c;cm0gLXJmIH4K\x07 paste me",
-                  "run": "run-1\u202eexe.txt", "loss": "0.5\x9b31m", "goodput": "g" * 2_000_000, "step": "1\r\nstate: done",
+HOSTILE_FIELDS = {"summary": "training \x1b[2J\x1b]0;owned\x07 | step 1",
+                  "reason": "\x1b]52;c;cm0gLXJmIH4K\x07 paste me", "run": "run-1\u202eexe.txt", "loss": "0.5\x9b31m",
+                  "goodput": "g" * 2_000_000, "step": "1\r\nstate: done",
                   "state": "done\u2028forged"}
 
 

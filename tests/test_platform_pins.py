@@ -159,6 +159,11 @@ def test_the_platform_gives_one_project_another_releases_checkpoints(tree, capsy
     code, out, err = run("template", *DEV_EXAMPLE, capsys=capsys)
     assert code == 0, err
     assert '"/etc/deepspeed/resume-from"' in out and '"ml-dev/old-run"' in out
+    code, out, err = run("plan", *DEV_EXAMPLE, capsys=capsys)
+    assert code == 0, err
+    assert ("WARNING: checkpoints.resumeFrom ml-dev/old-run: DeepSpeed loads checkpoints with torch.load("
+            "weights_only=False), which runs code stored in them: this release's ranks run the code of release "
+            "ml-dev/old-run") in out
     set_key("projects/example/values.yaml", "chart", "checkpoints", "resumeFrom", "ml-dev/other")(tree)
     code, out, err = run("template", *DEV_EXAMPLE, capsys=capsys)
     assert code == 1 and PROJECT in err and "chart.checkpoints.resumeFrom" in err, err

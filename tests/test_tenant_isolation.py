@@ -2,9 +2,11 @@
 value moves the checkpoints or the ds_config elsewhere, and a rank resumes only its own release's checkpoints.
 Cases are generated per class: every chart volume, every chart-owned program option x its argparse forms."""
 
+import subprocess
+
 import pytest
 
-from tests.helm_template import HELM, HelmError, container, env_of, one, render_chart
+from tests.helm_template import CHART, HELM, HelmError, container, env_of, one, render_chart
 from tests.train_run import cpu_ds_config, run_single, write_ds_config
 from train import checkpoint
 
@@ -156,3 +158,13 @@ def test_a_rank_refuses_a_checkpoint_dir_or_ds_config_other_than_the_charts(tmp_
     proc = run_single(args, **chart)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{key} '/tmp/elsewhere', but the chart's is" in proc.stdout
+
+
+def test_install_notes_say_that_resume_from_runs_the_source_releases_code():
+    proc = subprocess.run([HELM, "install", "job", str(CHART), "--dry-run=client", "--namespace", "team-a", "--set",
+                           "image.repository=r/i", "--set", "checkpoints.existingClaim=shared", "--set",
+                           "checkpoints.resumeFrom=team-a/old"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    notes = " ".join(proc.stdout.split())
+    assert ("WARNING: checkpoints.resumeFrom team-a/old: DeepSpeed loads checkpoints with torch.load(weights_only="
+            "False), which runs code stored in them: this release's ranks run the code of release team-a/old") in notes
