@@ -11,7 +11,7 @@ import pytest
 from scripts import deployctl
 from scripts.jinja_render import render as render_template
 from tests.glue_tree import run, set_key, write
-from tests.helm_template import HELM, ROOT
+from tests.helm_template import HELM, ROOT, render_chart
 from tests.payloads import ALIAS_BOMB
 from train import dsconfig
 
@@ -95,6 +95,16 @@ BAD = {
     "copied project keeps a release": (copy_project("team-b", release="example"), ["--env", "dev", "--project",
                                                                                      "team-b"],
                                        ["values/projects/team-b/values.yaml", "deploy.release", "platform"]),
+    "project named after another's objects": (copy_project("example-deepspeed-training"),
+                                              ["--env", "dev", "--project", "example-deepspeed-training"],
+                                              ["values/projects/example-deepspeed-training/", "project example ",
+                                               "example-deepspeed-training-*", "namespace ml-dev"]),
+    "the other project of the pair": (copy_project("example-deepspeed-training"), DEV_EXAMPLE,
+                                      ["project example ", "project example-deepspeed-training ",
+                                       "example-deepspeed-training-*"]),
+    "fullnameOverride takes another project's names": (
+        set_key("projects/example/values.yaml", "chart", "fullnameOverride", "hf-example-deepspeed-training"),
+        DEV_EXAMPLE, [EXAMPLE, "project hf-example ", "hf-example-deepspeed-training-*"]),
     "project names a release of its own": (set_key("projects/example/values.yaml", "deploy", "release",
                                                    "kube-prometheus-stack"), DEV_EXAMPLE, [EXAMPLE, "deploy.release"]),
     "project picks its namespace": (set_key("projects/example/values.yaml", "deploy", "namespace", "monitoring"),
@@ -336,3 +346,19 @@ def test_status_prints_nothing_raw_from_the_cluster():
     assert "step 1" in text and "paste me" in text and "run-1?exe.txt" in text
     legit = deployctl.progress_text({"summary": "training | step 120/300 (40.0%) | loss 0.4064", "step": "120"})
     assert legit == "training | step 120/300 (40.0%) | loss 0.4064\n  step             120"
+
+
+FULLNAMES = [("job", {}), ("example-deepspeed-training", {}), ("a" * 53, {}), ("b" * 44 + "-xyz", {}),
+             ("train", {"nameOverride": "trainer"}), ("trainer-x", {"nameOverride": "trainer"}),
+             ("job", {"fullnameOverride": "shared-" + "c" * 38}), ("x" * 29, {"nameOverride": "e" * 14 + "-f"}),
+             ("trainer", {"nameOverride": "e" * 45})]
+
+
+@pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
+@pytest.mark.parametrize(("release", "chart"), FULLNAMES, ids=[f"{r[:12]}-{sorted(c)}" for r, c in FULLNAMES])
+def test_the_glues_object_name_prefix_is_the_charts(release, chart):
+    """The glue's copy of the chart's fullname (its collision check) names the objects as helm does."""
+    docs = render_chart(chart, release=release)
+    config = next(d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith(
+        "-config"))
+    assert deployctl.chart_fullname(release, chart) == config.removesuffix("-config")
