@@ -1,7 +1,10 @@
-"""Data the chart needs from the code that owns it, generated, never typed twice, from train/deepspeed_mirror.py:
-the ds_config top-level keys DeepSpeed reads (TOP_LEVEL_KEYS), which the chart's render-time check refuses others
-than, the most hosts DeepSpeed's pdsh runner starts (PDSH_MAX_FAN_OUT), launchMode ssh's limit on workers, and the
-env DeepSpeed's launcher sets for every rank (LAUNCHER_ENV), which no user env entry may set.
+"""Data the chart needs from the code that owns it, generated, never typed twice:
+- from train/deepspeed_mirror.py (deepspeed.json): the ds_config top-level keys DeepSpeed reads (TOP_LEVEL_KEYS),
+  which the chart's render-time check refuses others than, the most hosts DeepSpeed's pdsh runner starts
+  (PDSH_MAX_FAN_OUT), launchMode ssh's limit on workers, and the env DeepSpeed's launcher sets for every rank
+  (LAUNCHER_ENV), which no user env entry may set;
+- from train/conventions.py (conventions.json): the options each train.argsConvention passes, and every spelling
+  the program's parser takes for what the chart owns, which train.args may not repeat.
 
     python scripts/chart_data.py           # rewrite charts/deepspeed-training/files/generated/
     python scripts/chart_data.py --check   # exit 1 if it is stale
@@ -15,26 +18,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from train import conventions  # noqa: E402
 from train.deepspeed_mirror import LAUNCHER_ENV, PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
 
-TARGET = ROOT / "charts" / "deepspeed-training" / "files" / "generated" / "deepspeed.json"
+GENERATED = ROOT / "charts" / "deepspeed-training" / "files" / "generated"
 
 
-def render() -> str:
+def deepspeed_json() -> str:
     return json.dumps({"generated": "by scripts/chart_data.py from train/deepspeed_mirror.py; do not edit",
                        "topLevelKeys": sorted(TOP_LEVEL_KEYS), "pdshMaxFanOut": PDSH_MAX_FAN_OUT,
                        "launcherEnv": sorted(LAUNCHER_ENV)}, indent=1) + "\n"
 
 
+def conventions_json() -> str:
+    return json.dumps({"generated": "by scripts/chart_data.py from train/conventions.py; do not edit",
+                       "conventions": conventions.generated()}, indent=1) + "\n"
+
+
+TARGETS = {GENERATED / "deepspeed.json": deepspeed_json, GENERATED / "conventions.json": conventions_json}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
-    if parser.parse_args().check:
-        if not TARGET.exists() or TARGET.read_text() != render():
-            print(f"{TARGET.relative_to(ROOT)} is stale: run python scripts/chart_data.py", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(render())
+    check = parser.parse_args().check
+    stale = []
+    for target, render in TARGETS.items():
+        text = render()
+        if check:
+            if not target.exists() or target.read_text() != text:
+                stale.append(str(target.relative_to(ROOT)))
+        else:
+            target.write_text(text)
+    if stale:
+        print(f"{', '.join(stale)} stale: run python scripts/chart_data.py", file=sys.stderr)
+        return 1
     return 0
 
 

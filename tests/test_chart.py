@@ -149,7 +149,10 @@ def test_train_config_and_args_reach_the_launcher_command():
     assert "--config=/etc/deepspeed/config/train_config.json" in args
     assert "--checkpoint-dir=/checkpoints" in args
     assert "--force_multi" in args  # ranks never run in the launcher pod, also with one worker
-    assert args[-2:] == ["--log-every", "3"]
+    # The program's own arguments, then the chart's (argparse keeps the last occurrence: the chart's win)
+    assert args[args.index("mytrain") + 1:] == ["--log-every", "3", "--ds-config=/etc/deepspeed/config/ds_config.json",
+                                                "--config=/etc/deepspeed/config/train_config.json",
+                                                "--checkpoint-dir=/checkpoints"]
     worker0 = "job-deepspeed-training-worker-0.job-deepspeed-training-worker.default.svc.cluster.local"
     assert f"--master_addr={worker0}" in args
 

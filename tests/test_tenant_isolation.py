@@ -2,13 +2,14 @@
 value moves the checkpoints or the ds_config elsewhere, and a rank resumes only its own release's checkpoints.
 Cases are generated per class: every chart volume, every chart-owned program option x its argparse forms."""
 
+import json
 import subprocess
 
 import pytest
 
 from tests.helm_template import CHART, HELM, HelmError, container, env_of, one, render_chart
 from tests.train_run import cpu_ds_config, run_single, write_ds_config
-from train import checkpoint
+from train import checkpoint, conventions
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 
@@ -87,30 +88,59 @@ def test_a_claim_the_platform_allows_as_an_extra_volume_is_reported_as_a_relaxat
     assert "worker.extraVolumes[0] (scratch): persistentVolumeClaim volume" in relaxed
 
 
-# Every option the chart passes in each convention, in every form argparse would take as it: exact, =value,
-# and an abbreviation; DeepSpeed's parser also takes --deepscale_config for --deepspeed_config.
-OWNED = {"train": ["--ds-config", "--config", "--checkpoint-dir"],
-         "huggingface": ["--deepspeed", "--output_dir", "--ddp_timeout"],
-         "deepspeed": ["--deepspeed", "--deepspeed_config", "--deepscale_config"]}
+# What the chart owns in each convention, as the program's own parser spells it (train/conventions.py reads the real
+# parsers: a Trainer takes --output-dir and --ddp-timeout too, every program --local_rank), in every form argparse
+# takes as it: exact, =value, and an abbreviation. The examples below must be among them.
+OWNED = {convention: conventions.owned_spellings(convention) for convention in conventions.PASSES}
+KNOWN_SPELLINGS = {"train": ["--ds-config", "--config", "--checkpoint-dir", "--local_rank"],
+                   "huggingface": ["--deepspeed", "--output_dir", "--output-dir", "--ddp_timeout", "--ddp-timeout",
+                                   "--local_rank", "--local-rank"],
+                   "deepspeed": ["--deepspeed", "--deepspeed_config", "--deepscale_config", "--local_rank"],
+                   "none": ["--local_rank", "--local-rank"]}
 ARG_CASES = {f"{convention} {arg}": (convention, arg) for convention, options in OWNED.items() for option in options
              for arg in (option, f"{option}=/tmp/x", option[:-2], f"{option[:-3]}=/tmp/x")}
 
 
+def test_the_owned_spellings_come_from_the_parsers_and_are_what_the_chart_reads():
+    for convention, spellings in KNOWN_SPELLINGS.items():
+        assert set(spellings) <= set(OWNED[convention]), (convention, OWNED[convention])
+    generated = json.loads((CHART / "files" / "generated" / "conventions.json").read_text())["conventions"]
+    assert generated == conventions.generated()  # also `scripts/chart_data.py --check` (tests/test_hostile_chart)
+
+
 @pytest.mark.parametrize("case", ARG_CASES, ids=ARG_CASES.keys())
-def test_train_args_cannot_replace_the_charts_ds_config_or_checkpoint_dir(case):
+def test_train_args_cannot_set_what_the_chart_owns_in_any_spelling(case):
     convention, arg = ARG_CASES[case]
     values = {"train": {"argsConvention": convention, "script": "" if convention == "train" else "/app/p.py",
                         "args": ["--steps=10", arg]}}
     with pytest.raises(HelmError) as err:
         render_chart(values)
-    assert "train.args[1]" in err.value.stderr and "the chart passes" in err.value.stderr
+    assert "train.args[1]" in err.value.stderr and "which the chart owns" in err.value.stderr, err.value.stderr
 
 
-def test_train_args_of_the_program_itself_are_untouched():
-    docs = render_chart({"train": {"argsConvention": "huggingface", "script": "/app/p.py",
-                                   "args": ["--do_train", "--output_dir_suffix=x", "--deepspeed_plugin=y"]}})
+def test_train_args_may_not_end_the_options():
+    with pytest.raises(HelmError, match=r'train.args\[1\]: "--" ends the program'):
+        render_chart({"train": {"argsConvention": "huggingface", "script": "/app/p.py", "args": ["--do_train", "--"]}})
+
+
+def test_train_args_of_the_program_itself_come_first_and_the_charts_options_win_in_its_parser():
+    """By construction: the chart's options come after train.args, so the real parser keeps the chart's values
+    whatever train.args holds (here options next to the owned ones, and a list option just before the chart's)."""
+    docs = render_chart({"train": {"argsConvention": "huggingface", "script": "/app/p.py", "args": [
+        "--do_train", "--output_dir_suffix=x", "--deepspeed_plugin=y", "--report_to", "none"]},
+        "deepspeed": {"collectiveTimeoutMinutes": 7}})
     args = container(one(docs, "Job"))["args"]
-    assert args[-3:] == ["--do_train", "--output_dir_suffix=x", "--deepspeed_plugin=y"]
+    program = args[args.index("/app/p.py") + 1:]
+    assert program[:5] == ["--do_train", "--output_dir_suffix=x", "--deepspeed_plugin=y", "--report_to", "none"]
+    hf = conventions.parser("huggingface")
+    parsed, unknown = hf.parse_known_args(["--local_rank=0", *program])
+    assert (parsed.output_dir, parsed.deepspeed, parsed.ddp_timeout) == (
+        "/checkpoints", "/etc/deepspeed/config/ds_config.json", 420)
+    assert parsed.report_to == "none" and unknown == ["--output_dir_suffix=x", "--deepspeed_plugin=y"]
+    ours = container(one(render_chart({"train": {"args": ["--steps=10", "--log-every=5"]}}), "Job"))["args"]
+    parsed = conventions.parser("train").parse_args(["--local_rank=0", *ours[ours.index("train") + 1:]])
+    assert (parsed.ds_config, parsed.config, parsed.checkpoint_dir, parsed.steps) == (
+        "/etc/deepspeed/config/ds_config.json", "/etc/deepspeed/config/train_config.json", "/checkpoints", 10)
 
 
 # ---------------------------------------------------------------- train: a rank trusts only its release's checkpoints

@@ -465,29 +465,43 @@ train_config.json: {{ printf "%s\n" (.Values.train.config | toPrettyJson) | quot
 
 {{/*
 The arguments that give the program the chart's paths (and, to a Trainer, the collective timeout), in its
-convention (train.argsConvention), as a JSON list. The options among them are the chart's: validateProgram refuses them (and their abbreviations) in
-train.args, where argparse's last occurrence would win.
+convention (train.argsConvention), as a JSON list: files/generated/conventions.json, generated from
+train/conventions.py, which owns each convention. They come after train.args (programCommand), so that argparse's
+last-occurrence rule keeps the chart's values whatever spelling train.args used; validateProgram also refuses those
+spellings there.
 */}}
 {{- define "deepspeed-training.conventionArgs" -}}
-{{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
-{{- $convention := dict
-  "train" (list (printf "--ds-config=%s" $paths.ds_config) (printf "--config=%s" $paths.train_config) (printf "--checkpoint-dir=%s" $paths.checkpoint_dir))
-  "huggingface" (list "--deepspeed" $paths.ds_config "--output_dir" $paths.checkpoint_dir "--ddp_timeout" (mul (int .Values.deepspeed.collectiveTimeoutMinutes) 60 | toString))
-  "deepspeed" (list "--deepspeed" "--deepspeed_config" $paths.ds_config)
-  "none" list }}
-{{- get $convention .Values.train.argsConvention | toJson }}
+{{- $values := include "deepspeed-training.programPaths" . | fromJson }}
+{{- $_ := set $values "collective_timeout_s" (mul (int .Values.deepspeed.collectiveTimeoutMinutes) 60 | toString) }}
+{{- $convention := get (include "deepspeed-training.conventions" . | fromJson) .Values.train.argsConvention }}
+{{- $args := list }}
+{{- range $convention.passes }}
+{{- $option := index . 0 }}
+{{- $value := index . 1 }}
+{{- if not $value }}
+{{- $args = append $args $option }}
+{{- else if eq (index . 2) "=" }}
+{{- $args = append $args (printf "%s=%s" $option (get $values $value)) }}
+{{- else }}
+{{- $args = concat $args (list $option (get $values $value)) }}
+{{- end }}
+{{- end }}
+{{- toJson $args }}
+{{- end }}
+
+{{- define "deepspeed-training.conventions" -}}
+{{- (.Files.Get "files/generated/conventions.json" | fromJson).conventions | toJson }}
 {{- end }}
 
 {{/*
-The program every rank runs and its arguments, as a JSON list: the module (`--module M`) or script, the
-chart's paths in the program's convention (train.argsConvention), then train.args with the placeholders
-{ds_config} {train_config} {checkpoint_dir} {data_dir} replaced. All of it reaches the remote shell.
+The program every rank runs and its arguments, as a JSON list: the module (`--module M`) or script, train.args with
+the placeholders {ds_config} {train_config} {checkpoint_dir} {data_dir} replaced, then the chart's paths in the
+program's convention (last: argparse keeps the last occurrence). All of it reaches the remote shell.
 */}}
 {{- define "deepspeed-training.programCommand" -}}
 {{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
 {{- $train := .Values.train }}
 {{- $command := ternary (list $train.script) (list "--module" $train.module) (ne $train.script "") }}
-{{- $command = concat $command (include "deepspeed-training.conventionArgs" . | fromJsonArray) }}
 {{- range $train.args }}
 {{- $arg := . }}
 {{- range $name, $path := $paths }}
@@ -495,6 +509,7 @@ chart's paths in the program's convention (train.argsConvention), then train.arg
 {{- end }}
 {{- $command = append $command $arg }}
 {{- end }}
+{{- $command = concat $command (include "deepspeed-training.conventionArgs" . | fromJsonArray) }}
 {{- toJson $command }}
 {{- end }}
 

@@ -253,24 +253,24 @@ them (a later duplicate key would win and move a pod out of its release or into 
 {{- end }}
 
 {{/*
-The program and the runner flags reach the remote shell (see shellSafe). Which ds_config runs and where
-checkpoints go are the chart's: train.args may not repeat the convention's options (argparse takes the last
-occurrence and any unambiguous abbreviation; DeepSpeed's parser also reads its old --deepscale names), nor may
-the train config name its own paths.
+The program and the runner flags reach the remote shell (see shellSafe). Which ds_config runs, where checkpoints go,
+the collective timeout and each rank's device are the chart's: train.args may not name what the program's parser
+takes for them, in any spelling or abbreviation (files/generated/conventions.json, generated from the parsers by
+train/conventions.py; the chart's own options come last anyway), nor end the options with `--` (the chart's would
+become positional arguments), nor may the train config name its own paths.
 */}}
 {{- define "deepspeed-training.validateProgram" -}}
-{{- $owned := list }}
-{{- range include "deepspeed-training.conventionArgs" . | fromJsonArray }}
-{{- if hasPrefix "--" . }}{{ $owned = append $owned (regexReplaceAll "=.*$" . "") }}{{ end }}
-{{- end }}
-{{- if has "--deepspeed_config" $owned }}{{ $owned = concat $owned (list "--deepscale" "--deepscale_config") }}{{ end }}
+{{- $owned := (get (include "deepspeed-training.conventions" . | fromJson) .Values.train.argsConvention).owned }}
 {{- range $i, $arg := .Values.train.args }}
 {{- include "deepspeed-training.shellSafe" (dict "key" (printf "train.args[%d]" $i) "value" (regexReplaceAll "\\{(ds_config|train_config|checkpoint_dir|data_dir)\\}" $arg "") "context" "bare") }}
+{{- if eq $arg "--" }}
+{{- fail (printf "train.args[%d]: \"--\" ends the program's options: the chart's own (its ds_config, checkpoint dir and timeout, passed after train.args) would become positional arguments; remove it" $i) }}
+{{- end }}
 {{- $name := regexReplaceAll "=.*$" $arg "" }}
 {{- if and (hasPrefix "--" $name) (gt (len $name) 2) }}
 {{- range $owned }}
 {{- if hasPrefix $name . }}
-{{- fail (printf "train.args[%d]: %q would replace %s, which the chart passes for train.argsConvention %q (argparse takes the last occurrence and abbreviations): the ds_config is deepspeed.config, the checkpoint dir is the release's own (checkpoints.mountPath) and the collective timeout is deepspeed.collectiveTimeoutMinutes; remove it" $i $arg . $.Values.train.argsConvention) }}
+{{- fail (printf "train.args[%d]: %q sets %s, which the chart owns for train.argsConvention %q (the program's parser takes it in this spelling or abbreviation): the ds_config is deepspeed.config, the checkpoint dir is the release's own (checkpoints.mountPath), the collective timeout is deepspeed.collectiveTimeoutMinutes and --local_rank is DeepSpeed's launcher's; remove it" $i $arg . $.Values.train.argsConvention) }}
 {{- end }}
 {{- end }}
 {{- end }}
