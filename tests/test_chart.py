@@ -45,9 +45,10 @@ def test_ci_values_render_the_job(helm, values_file):
     assert {"Service", "Job", "ConfigMap"} <= kinds and ("StatefulSet" in kinds) == ssh
     assert ("Secret" in kinds) == (ssh and "existingSecret" not in values.get("ssh", {}))
     assert ("NetworkPolicy" in kinds) == values.get("networkPolicy", {}).get("enabled", True)
-    # Roles: the launcher's (scaling its workers down) and the progress sidecars' (never bound to `default`).
+    # Roles (the progress sidecars': the ConfigMap, and in ssh mode the workers' scale) only with the release's own
+    # account: never bound to `default` or a shared one.
     own_account = values.get("serviceAccount", {}).get("create", True)
-    assert ("Role" in kinds) == bool((ssh and values.get("launcher", {}).get("scaleDownWorkers", True)) or own_account)
+    assert ("Role" in kinds) == (own_account and values.get("progress", {}).get("enabled", True))
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=[f.name for f in CI_VALUES])
@@ -197,27 +198,30 @@ def test_pods_run_restricted_and_workers_get_an_sshd_readiness_probe():
     assert container(sts)["ports"][0] == {"name": "ssh", "containerPort": 2222, "protocol": "TCP"}
 
 
-def test_only_the_launcher_gets_a_token_and_only_to_scale_workers():
+def test_no_container_of_the_tenants_image_holds_a_token_and_the_launchers_sidecar_scales_the_workers():
     docs = render_chart()
     sts, job = workloads(docs)
     assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
-    assert sts["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
-    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    for pod in (sts["spec"]["template"]["spec"], job["spec"]["template"]["spec"]):
+        assert pod["automountServiceAccountToken"] is False
+        assert token_mounts(pod) == {"progress": ["progress-token"], pod["containers"][0]["name"]: []}
     role = one(docs, "Role", "-scale-workers")
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
                               "resourceNames": [sts["metadata"]["name"]], "verbs": ["patch"]}]
-    assert one(docs, "RoleBinding", "-scale-workers")["subjects"][0]["name"] == \
-        one(docs, "ServiceAccount")["metadata"]["name"]
-    assert env_of(job)["DS_SCALE_DOWN_WORKERS"] == "true"
+    assert one(docs, "RoleBinding", "-scale-workers")["subjects"] == [
+        {"kind": "ServiceAccount", "name": one(docs, "ServiceAccount")["metadata"]["name"], "namespace": "default"}]
+    sidecar = job["spec"]["template"]["spec"]["initContainers"][0]
+    assert sidecar["command"][5:7] == ["--scale-down", sts["metadata"]["name"]]
+    assert "--scale-down" not in sts["spec"]["template"]["spec"]["initContainers"][0]["command"]
+    assert not {"DS_SCALE_DOWN_WORKERS", "DS_WORKER_STATEFULSET"} & set(env_of(job))
 
 
-def test_keeping_workers_up_drops_the_token_and_the_role():
+def test_keeping_workers_up_drops_the_scale_role_and_the_sidecars_scale_down():
     docs = render_chart({"launcher": {"scaleDownWorkers": False}})
     _, job = workloads(docs)
-    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert [r["metadata"]["name"] for r in by_kind(docs, "Role") + by_kind(docs, "RoleBinding")] == \
         ["job-deepspeed-training-progress"] * 2  # the progress sidecars' only
-    assert env_of(job)["DS_SCALE_DOWN_WORKERS"] == "false"
+    assert "--scale-down" not in job["spec"]["template"]["spec"]["initContainers"][0]["command"]
 
 
 def token_mounts(pod_spec: dict) -> dict[str, list[str]]:
@@ -255,14 +259,6 @@ def test_the_progress_role_patches_one_configmap_and_only_the_sidecar_holds_its_
         assert token[0] == {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}}
 
 
-def test_the_launcher_sidecar_uses_the_token_the_launcher_pod_mounts_to_scale_workers():
-    _, job = workloads(render_chart())
-    pod = job["spec"]["template"]["spec"]
-    assert pod["automountServiceAccountToken"] is True
-    assert token_mounts(pod) == {"progress": [], "launcher": []}  # the API server mounts one into each
-    assert "progress-token" not in [v["name"] for v in pod["volumes"]]
-
-
 @pytest.mark.parametrize("account", [{"create": False}, {"create": False, "name": "shared-trainer"}])
 def test_progress_is_bound_only_to_the_releases_own_account_and_can_be_switched_off(account):
     # A shared account (`default`, or one other releases run as) would let them patch this release's progress.
@@ -271,7 +267,7 @@ def test_progress_is_bound_only_to_the_releases_own_account_and_can_be_switched_
     for pod in (w["spec"]["template"]["spec"] for w in workloads(docs)):
         assert "--configmap" not in pod["initContainers"][0]["command"]  # metrics only
         assert all(m == [] for m in token_mounts(pod).values())
-    docs = render_chart({"progress": {"enabled": False}})
+    docs = render_chart({"progress": {"enabled": False}, "launcher": {"scaleDownWorkers": False}})
     assert [d for d in docs if d["metadata"]["name"].endswith("-progress")] == []
     assert all("initContainers" not in w["spec"]["template"]["spec"] for w in workloads(docs))
 
@@ -392,12 +388,19 @@ def test_per_worker_checkpoint_volumes_need_a_single_worker():
     assert "checkpoints.volumeClaimSpec" in err.value.stderr and "checkpoints.existingClaim" in err.value.stderr
 
 
-def test_scale_permission_never_goes_to_the_default_service_account():
+@pytest.mark.parametrize("account", [{"create": False}, {"create": False, "name": "default"},
+                                     {"create": False, "name": "platform-trainer"}])
+def test_the_scale_down_needs_the_releases_own_account(account):
+    """Bound to a shared account, the scale Role would let every release running as it scale this one's workers to
+    0: a shared account refuses the scale-down, and without it renders no Role at all."""
     with pytest.raises(HelmError) as err:
-        render_chart({"serviceAccount": {"create": False}})
-    assert "needs serviceAccount.name" in err.value.stderr
-    docs = render_chart({"serviceAccount": {"create": False, "name": "trainer"}})
-    assert one(docs, "RoleBinding", "-scale-workers")["subjects"][0]["name"] == "trainer"
+        render_chart({"serviceAccount": account})
+    assert "launcher.scaleDownWorkers needs the release's own ServiceAccount (serviceAccount.create: true)" in \
+        err.value.stderr and f'"{account.get("name", "default")}"' in err.value.stderr
+    docs = render_chart({"serviceAccount": account, "launcher": {"scaleDownWorkers": False}})
+    assert by_kind(docs, "Role") == by_kind(docs, "RoleBinding") == []
+    with pytest.raises(HelmError, match="the progress sidecar scales the workers down"):
+        render_chart({"progress": {"enabled": False}})
 
 
 def test_shm_is_memory_backed_with_the_configured_size():

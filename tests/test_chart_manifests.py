@@ -26,7 +26,6 @@ CHECKOV_ACCEPTED = {
     "CKV_K8S_11": "no default resources: CPU/memory/GPU sizes belong to values/<env>.yaml",
     "CKV_K8S_12": "no default resources: CPU/memory/GPU sizes belong to values/<env>.yaml",
     "CKV_K8S_13": "no default resources: CPU/memory/GPU sizes belong to values/<env>.yaml",
-    "CKV_K8S_38": "the launcher mounts a token only to scale its own workers to 0 (launcher.scaleDownWorkers)",
     "CKV_K8S_35": "ranks need secrets as env (HF_TOKEN...); workers hand them over without a shell or a log",
 }
 

@@ -145,7 +145,9 @@ def test_make_demo_runs_a_projects_own_program():
     proc = subprocess.run(["make", "demo", "PROJECT=hf-example"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"{ROOT}/examples/hf_trainer.py --deepspeed {ROOT}/build/hf-example/dev/ds_config.json" in proc.stdout
+    assert f"{ROOT}/examples/hf_trainer.py --use_cpu" in proc.stdout  # the project's own arguments, then the chart's
+    assert f"--deepspeed {ROOT}/build/hf-example/dev/ds_config.json --output_dir {ROOT}/build/demo/hf-example" \
+        in proc.stdout
     assert "hf_trainer: done at global step 20" in proc.stdout
     assert (ROOT / "build/demo/hf-example/checkpoints/checkpoint-20").is_dir()
 

@@ -98,7 +98,7 @@ def test_metrics_show_rank_0s_progress_every_ranks_step_and_the_attempt(state_di
         out = sidecar.communicate(timeout=30)[0]
     assert sidecar.returncode == 0, out
     # No token here: it says so once and serves the metrics anyway.
-    assert re.search(r"not publishing to ConfigMap job-progress: \w+", out), out
+    assert re.search(r"no API access: not publishing to ConfigMap job-progress: \w+", out), out
     release = 'release="team-a-run"'
     for line in (f"deepspeed_training_step{{{release}}} 7.0", f"deepspeed_training_steps{{{release}}} 100.0",
                  f"deepspeed_training_loss{{{release}}} 0.5", f"deepspeed_training_tokens_per_second{{{release}}} "

@@ -1,16 +1,31 @@
-"""The launcher's scale-down step (files/scale-workers.py, the `kubernetes` client) and what it sends."""
+"""The scale-down after a successful run (launcher.scaleDownWorkers): the launcher pod's progress sidecar
+(files/progress.py --scale-down, the `kubernetes` client), the only container with a token, patches the workers'
+scale once the ledger says the job is done, and never otherwise. Against a local stand-in for the API server that
+records what it is sent; the cluster tier (tests/cluster) does it on a real one."""
 
 import http.server
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
 
+import pytest
+
+from tests.e2e.harness import wait_for
 from tests.helm_template import CHART
 
+sys.path.insert(0, str(CHART / "files"))
+import attempts  # noqa: E402 - the pod script that writes the ledger's verdict
 
-def test_scale_workers_patches_only_the_worker_scale(tmp_path):
-    """files/scale-workers.py against a local stand-in for the API server, recording what it is sent."""
+SCALE = ("PATCH", "/apis/apps/v1/namespaces/ml/statefulsets/job-worker/scale", "application/strategic-merge-patch+json",
+         {"spec": {"replicas": 0}}, "Bearer sidecar-token")
+
+
+@pytest.fixture
+def api(tmp_path):
+    """(kubeconfig path, the requests seen)."""
     seen = []
 
     class Api(http.server.BaseHTTPRequestHandler):
@@ -34,16 +49,72 @@ def test_scale_workers_patches_only_the_worker_scale(tmp_path):
     kubeconfig.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "t",
         "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-        "users": [{"name": "t", "user": {"token": "launcher-token"}}],
+        "users": [{"name": "t", "user": {"token": "sidecar-token"}}],
         "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
-    env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "DS_WORKER_STATEFULSET": "job-worker",
-           "POD_NAMESPACE": "ml"}
+    yield kubeconfig, seen
+    server.shutdown()
+
+
+class Sidecar:
+    """files/progress.py --scale-down as the launcher pod runs it (python3 -I), its output collected as it comes."""
+
+    def __init__(self, state_dir, kubeconfig):
+        env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": "ml",
+               "DS_RANK_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "progress.py"), "--scale-down",
+                                         "job-worker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
+        self.reader.start()
+        wait_for(lambda: any("once the job is done" in line for line in self.lines), 30, "the sidecar to start",
+                 lambda: "".join(self.lines))
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=30)
+        self.reader.join(timeout=10)
+        assert self.process.returncode == 0, "".join(self.lines)
+        return "".join(self.lines)
+
+
+def say(state_dir, state: str) -> None:
+    """The ledger's verdict, written by the real pod script (attempts.py runs in the launcher's container)."""
+    os.environ["DS_RANK_STATE_DIR"] = str(state_dir)
     try:
-        result = subprocess.run([sys.executable, str(CHART / "files" / "scale-workers.py")], env=env,
-                                capture_output=True, text=True, timeout=60)
+        attempts.say(state)
     finally:
-        server.shutdown()
-    assert result.returncode == 0, result.stderr
-    assert "scaled statefulset ml/job-worker to 0 replicas" in result.stdout
-    assert seen == [("PATCH", "/apis/apps/v1/namespaces/ml/statefulsets/job-worker/scale",
-                     "application/strategic-merge-patch+json", {"spec": {"replicas": 0}}, "Bearer launcher-token")]
+        del os.environ["DS_RANK_STATE_DIR"]
+
+
+def test_the_sidecar_scales_the_workers_down_once_the_ledger_says_done(tmp_path, api):
+    kubeconfig, seen = api
+    sidecar = Sidecar(tmp_path, kubeconfig)
+    try:
+        say(tmp_path, "done")
+        wait_for(lambda: seen, 30, "the scale-down")
+    finally:
+        out = sidecar.stop()
+    assert seen == [SCALE]  # once: the final look after SIGTERM sends nothing more
+    assert "scaled statefulset ml/job-worker to 0 replicas: the run succeeded" in out
+
+
+@pytest.mark.parametrize("state", ["starting", "failed", "stopping"])
+def test_the_workers_stay_up_after_any_other_verdict(tmp_path, api, state):
+    """A failed attempt (the next one needs the workers), a stop, an attempt starting: the sidecar's last look after
+    SIGTERM, which always comes, sends nothing."""
+    kubeconfig, seen = api
+    sidecar = Sidecar(tmp_path, kubeconfig)
+    say(tmp_path, state)
+    sidecar.stop()
+    assert seen == []
+
+
+def test_a_done_verdict_just_before_the_sidecars_sigterm_still_scales_down(tmp_path, api):
+    """The kubelet sends the native sidecar SIGTERM as soon as the launcher exits, which may be within the
+    sidecar's poll interval after the verdict."""
+    kubeconfig, seen = api
+    sidecar = Sidecar(tmp_path, kubeconfig)
+    say(tmp_path, "done")
+    sidecar.stop()
+    assert seen == [SCALE]

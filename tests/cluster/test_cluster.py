@@ -266,9 +266,11 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     job = get("job", LAUNCHER, namespace)
     assert job["status"].get("succeeded") == 1 and not job["status"].get("failed")
     launcher_pod = job["spec"]["template"]["spec"]
-    assert launcher_pod["automountServiceAccountToken"] is True  # the only token: the scale-down's
+    assert launcher_pod["automountServiceAccountToken"] is False  # the tenant's image holds no token
     wait_for(lambda: get("statefulset", WORKERS, namespace)["spec"]["replicas"] == 0, 60,
-             "the launcher to scale the workers to 0")
+             "the launcher pod's sidecar to scale the workers to 0")
+    sidecar_log = kubectl("logs", f"job/{LAUNCHER}", "-c", "progress", namespace=namespace)
+    assert f"scaled statefulset {namespace}/{WORKERS} to 0 replicas: the run succeeded" in sidecar_log, sidecar_log
     # The progress ConfigMap's last word, from the sidecars of rank 0's pod and of the launcher (the ledger).
     final = wait_for(lambda: (data := progress_data(namespace)).get("state") == "done" and data, 30,
                      "the progress ConfigMap to say done", lambda: str(progress_data(namespace)))

@@ -4,8 +4,7 @@
 # for every worker (of the current template) and clears ranks left by an earlier attempt on it, runs the DeepSpeed
 # command, and after a failure runs it again while the budget lasts (all ranks together, each run resuming from
 # the last complete checkpoint; retry_verdict in run-child.sh and attempts.py decide). Its exit status is the
-# last run's (143 after a stop, attempts.py's when the budget is spent); after a success it scales the workers
-# to 0 when DS_SCALE_DOWN_WORKERS=true.
+# last run's (143 after a stop, attempts.py's when the budget is spent).
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "launcher: $*"; }
@@ -85,7 +84,4 @@ while true; do
   [[ "$verdict" == retry ]] || exit "$verdict"
   log "starting the run again, from the last complete checkpoint, if the job's failure budget allows"
 done
-if [[ "${DS_SCALE_DOWN_WORKERS:-false}" == true ]]; then
-  python3 "$scripts_dir/scale-workers.py" || log "WARNING: could not scale the workers down; delete them with helm uninstall"
-fi
-exit 0
+exit 0  # the progress sidecar scales the workers down (launcher.scaleDownWorkers): it holds the pod's only token

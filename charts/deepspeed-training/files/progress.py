@@ -1,6 +1,7 @@
 """The progress sidecar of the release's pods (both launch modes): where a run stands, for `kubectl get` and for
-Prometheus. It runs no tenant code, and it is the only container that holds the release's progress token: a Role
-that can get and patch one ConfigMap, <release>-progress, and nothing else.
+Prometheus. It runs no tenant code (the platform's image), and it is the only container that holds a token: the
+release's own ServiceAccount's, whose Roles can get and patch one ConfigMap, <release>-progress, and scale the
+release's worker StatefulSet (ssh mode), nothing else.
 
 It reads what its own pod knows, in DS_RANK_STATE_DIR:
 - PROGRESS, rank 0's progress (train/rankstate.py, on worker 0): state, step, steps, loss, tokens/s, ETA, ...
@@ -13,7 +14,12 @@ pod patches only what it read, so the newest event's state stands. With --metric
 every rank's step, step time and heartbeat age, as Prometheus metrics (prometheus_client). Without API access
 (no token, no cluster) or without prometheus_client in the image, it says so once and does the rest.
 
-Usage: progress.py [--configmap NAME] [--metrics-port PORT]   (runs until SIGTERM, then publishes once more)
+With --scale-down NAME (the launcher pod of launchMode ssh, launcher.scaleDownWorkers), once the ledger's verdict
+says the job is done it scales the StatefulSet NAME to 0, so that finished workers free their GPUs: within a second
+of the verdict, or at the latest on the SIGTERM the kubelet sends this native sidecar when the launcher has exited.
+
+Usage: progress.py [--configmap NAME] [--metrics-port PORT] [--scale-down STATEFULSET]
+       (runs until SIGTERM, then publishes once more)
 """
 
 import argparse
@@ -33,7 +39,7 @@ VERDICT = "verdict.json"
 POLL_S = 1.0
 METRIC = "deepspeed_training"
 API_TIMEOUT = (3, 10)  # connect, read: a stuck API call must not hold the loop, nor the exit after SIGTERM
-FINAL_TRIES = 5  # after SIGTERM: a concurrent patch from another pod (409) must not lose the last word
+FINAL_TRIES = 20  # after SIGTERM, 0.5 s apart: a concurrent patch (409) or a slow API must not lose the last word
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")  # a program's strings reach terminals (make status): no escapes
 
 
@@ -191,14 +197,50 @@ def merge(data: dict[str, str], update: dict[str, str]) -> dict[str, str]:
     return merged
 
 
-class ConfigMap:
-    """The progress ConfigMap, through the kubernetes client and this pod's token; None when there is no API."""
+class Api:
+    """The API server, through this pod's token (in a cluster) or $KUBECONFIG (elsewhere); raises when there is
+    none (no token, no cluster, no client)."""
 
-    def __init__(self, name: str, namespace: str):
+    def __init__(self, namespace: str):
         from kubernetes import client, config  # noqa: PLC0415 - only where a token is mounted
 
-        config.load_incluster_config()
-        self.api, self.name, self.namespace = client.CoreV1Api(), name, namespace
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config()
+        else:
+            config.load_kube_config()
+        self.core, self.apps, self.namespace = client.CoreV1Api(), client.AppsV1Api(), namespace
+
+
+class ScaleDown:
+    """Scales the release's worker StatefulSet to 0 once the ledger's verdict says the job is done."""
+
+    def __init__(self, api: Api, name: str, state_dir: Path):
+        self.api, self.name, self.state_dir, self.done, self.last_error = api, name, state_dir, False, ""
+
+    def pending(self) -> bool:
+        return not self.done and read_json(self.state_dir / VERDICT).get("state") == "done"
+
+    def run(self) -> None:
+        if not self.pending():
+            return
+        try:
+            self.api.apps.patch_namespaced_stateful_set_scale(self.name, self.api.namespace,
+                                                              {"spec": {"replicas": 0}}, _request_timeout=API_TIMEOUT)
+        except Exception as err:  # noqa: BLE001 - the API may be away for a while: try again
+            if str(err) != self.last_error:
+                self.last_error = str(err)
+                log(f"could not scale statefulset {self.name} down (trying again): {type(err).__name__}: "
+                    f"{self.last_error.splitlines()[0] if self.last_error else ''}")
+            return
+        self.done = True
+        log(f"scaled statefulset {self.api.namespace}/{self.name} to 0 replicas: the run succeeded")
+
+
+class ConfigMap:
+    """The progress ConfigMap, through the kubernetes client and this pod's token."""
+
+    def __init__(self, name: str, api: Api):
+        self.api, self.name, self.namespace = api.core, name, api.namespace
 
     def apply(self, update: dict[str, str]) -> None:
         """Read, merge, write with the read's resourceVersion: a concurrent patch from another pod fails this one
@@ -283,19 +325,29 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configmap", help="the progress ConfigMap to patch")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--scale-down", metavar="STATEFULSET", help="scale it to 0 once the job is done")
     args = parser.parse_args(argv)
-    pod = Pod(Path(os.environ.get("DS_RANK_STATE_DIR", "/tmp/deepspeed-ranks")))
+    state_dir = Path(os.environ.get("DS_RANK_STATE_DIR", "/tmp/deepspeed-ranks"))
+    pod = Pod(state_dir)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     if args.metrics_port:
         serve_metrics(pod, args.metrics_port, os.environ.get("DS_RELEASE", ""))
-    configmap = None
-    if args.configmap:
+    configmap = scale_down = None
+    if args.configmap or args.scale_down:
         try:
-            configmap = ConfigMap(args.configmap, os.environ.get("POD_NAMESPACE", "default"))
-            log(f"publishing to ConfigMap {args.configmap}")
+            api = Api(os.environ.get("POD_NAMESPACE", "default"))
         except Exception as err:  # noqa: BLE001 - no token, no cluster, no client: the metrics still work
-            log(f"not publishing to ConfigMap {args.configmap}: {type(err).__name__}: {err}")
+            wanted = " nor ".join(what for what in (args.configmap and f"publishing to ConfigMap {args.configmap}",
+                                                    args.scale_down and f"scaling {args.scale_down} down") if what)
+            log(f"no API access: not {wanted}: {type(err).__name__}: {err}")
+        else:
+            if args.configmap:
+                configmap = ConfigMap(args.configmap, api)
+                log(f"publishing to ConfigMap {args.configmap}")
+            if args.scale_down:
+                scale_down = ScaleDown(api, args.scale_down, state_dir)
+                log(f"scaling statefulset {args.scale_down} to 0 once the job is done")
     pending: dict[str, str] = {}
     last_error, final_tries = "", FINAL_TRIES
     while True:
@@ -310,11 +362,13 @@ def main(argv: list[str]) -> int:
                     last_error = str(err)
                     log(f"could not patch ConfigMap {args.configmap} (trying again): {type(err).__name__}: "
                         f"{last_error.splitlines()[0] if last_error else ''}")
+        if scale_down:
+            scale_down.run()
         if stopping:
             final_tries -= 1
-            if not (configmap and pending) or final_tries <= 0:
+            if not ((configmap and pending) or (scale_down and scale_down.pending())) or final_tries <= 0:
                 return 0
-            time.sleep(0.2)  # the pod's grace period is long; a conflict clears in one more read
+            time.sleep(0.5)  # the pod's grace period is long; a conflict clears in one more read
             continue
         time.sleep(POLL_S)
 

@@ -45,6 +45,20 @@ app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 {{- end }}
 
+{{/*
+The subject of every RoleBinding the chart renders: the release's own ServiceAccount, and no other. A binding to a
+shared account (a platform's, `default`) would hand this release's rights to every pod of every release that runs
+as it; _validate.tpl refuses the values that would need one, and this fails if a template asks anyway.
+*/}}
+{{- define "deepspeed-training.rbacSubject" -}}
+{{- if not .Values.serviceAccount.create }}
+{{- fail "the chart binds its Roles only to the ServiceAccount it creates for the release (serviceAccount.create: true)" }}
+{{- end }}
+- kind: ServiceAccount
+  name: {{ include "deepspeed-training.serviceAccountName" . | quote }}
+  namespace: {{ .Release.Namespace | quote }}
+{{- end }}
+
 {{- define "deepspeed-training.launcherName" -}}
 {{- printf "%s-launcher-%d" (include "deepspeed-training.fullname" .) (int .Release.Revision) }}
 {{- end }}

@@ -1,20 +1,25 @@
 {{/*
 The progress sidecar (files/progress.py), in every pod of the release when progress.enabled: a native sidecar
 (an init container that keeps running), so that a Job's pod still ends with its main container. It runs no
-program code and is the only container that gets the progress token (the Role in progress.yaml: get and patch
-of one ConfigMap), from a projected volume of its own: the pods keep automountServiceAccountToken false.
-Where the pod mounts the account's token anyway (the launcher, when it scales the workers down), the sidecar
-uses that one. Called with (dict "root" $ "automounted" BOOL).
+program code, in the platform's image (progress.image), and it is the only container that holds a token: the
+release's own ServiceAccount's, from a projected volume of its own (every pod keeps automountServiceAccountToken
+false, and the main containers run the tenant's image). With it the sidecar patches the progress ConfigMap and, in
+the launcher pod of launchMode ssh, scales the workers to 0 after a successful run (launcher.scaleDownWorkers).
+Called with (dict "root" $ "component" "worker"|"launcher").
 */}}
 {{- define "deepspeed-training.progressName" -}}
 {{- printf "%s-progress" (include "deepspeed-training.fullname" .) }}
 {{- end }}
 
-{{/* "true" when the sidecar may patch the ConfigMap: only through the release's own ServiceAccount
-(serviceAccount.create). A binding to a shared one (`default`, or a named account other releases or pods run
-as) would let them patch this release's progress, its labels included. */}}
+{{/* "true" when the sidecar holds the release's token and patches the ConfigMap: only with the release's own
+ServiceAccount (serviceAccount.create), since the chart binds its Roles to no other account (rbacSubject). */}}
 {{- define "deepspeed-training.progressPublishes" -}}
 {{- if and .Values.progress.enabled .Values.serviceAccount.create }}true{{- end }}
+{{- end }}
+
+{{/* "true" when the launcher pod's sidecar scales the workers down after success (checked in _validate.tpl). */}}
+{{- define "deepspeed-training.scalesDownWorkers" -}}
+{{- if and (eq .Values.launchMode "ssh") .Values.launcher.scaleDownWorkers }}true{{- end }}
 {{- end }}
 
 {{- define "deepspeed-training.progressSidecar" -}}
@@ -30,6 +35,9 @@ initContainers:
     command: ["python3", "-I", "{{ include "deepspeed-training.scriptsDir" $root }}/progress.py",
               {{- if include "deepspeed-training.progressPublishes" $root }}
               "--configmap", {{ include "deepspeed-training.progressName" $root | quote }},
+              {{- end }}
+              {{- if and (eq $.component "launcher") (include "deepspeed-training.scalesDownWorkers" $root) }}
+              "--scale-down", {{ include "deepspeed-training.workerName" $root | quote }},
               {{- end }}
               "--metrics-port", {{ .metricsPort | int | quote }}]
     ports:
@@ -63,7 +71,7 @@ initContainers:
       - name: tmp
         mountPath: /tmp
         readOnly: true
-      {{- if and (include "deepspeed-training.progressPublishes" $root) (not $.automounted) }}
+      {{- if include "deepspeed-training.progressPublishes" $root }}
       - name: progress-token
         mountPath: /var/run/secrets/kubernetes.io/serviceaccount
         readOnly: true
@@ -73,7 +81,7 @@ initContainers:
 {{- end }}
 
 {{- define "deepspeed-training.progressTokenVolume" -}}
-{{- if and (include "deepspeed-training.progressPublishes" .root) (not .automounted) }}
+{{- if include "deepspeed-training.progressPublishes" . }}
 - name: progress-token
   projected:
     defaultMode: 0440

@@ -26,11 +26,11 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- fail "scheduling.kueueTopology needs scheduling.kueueQueueName: only Kueue reads the topology request" }}
 {{- end }}
 {{- end }}
-{{- if and (eq .Values.launchMode "ssh") .Values.launcher.scaleDownWorkers (not .Values.serviceAccount.create) }}
-{{- if not .Values.serviceAccount.name }}
-{{- fail "launcher.scaleDownWorkers with serviceAccount.create=false needs serviceAccount.name: the scale permission would go to the namespace's default ServiceAccount (or set launcher.scaleDownWorkers=false)" }}
-{{- else if eq .Values.serviceAccount.name "default" }}
-{{- fail "serviceAccount.name: \"default\" with launcher.scaleDownWorkers would give every pod of the namespace the permission to scale this release's workers; use serviceAccount.create=true or a dedicated ServiceAccount" }}
+{{- if include "deepspeed-training.scalesDownWorkers" . }}
+{{- if not .Values.serviceAccount.create }}
+{{- fail (printf "launcher.scaleDownWorkers needs the release's own ServiceAccount (serviceAccount.create: true): the chart binds its Roles to no other account, since every pod that runs as a shared one (%q) would get the right to scale this release's workers to 0; set launcher.scaleDownWorkers: false (the workers then stay up after success until helm uninstall)" (.Values.serviceAccount.name | default "default")) }}
+{{- else if not .Values.progress.enabled }}
+{{- fail "launcher.scaleDownWorkers: the progress sidecar scales the workers down (the only container with a token: the launcher runs the tenant's image); set progress.enabled: true, or launcher.scaleDownWorkers: false" }}
 {{- end }}
 {{- end }}
 {{- $config := include (print $.Template.BasePath "/configmap.yaml") . | fromYaml }}

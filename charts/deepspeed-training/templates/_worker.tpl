@@ -39,7 +39,7 @@ spec:
   topologySpreadConstraints:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with include "deepspeed-training.progressSidecar" (dict "root" . "automounted" false) }}{{ . | nindent 2 }}{{- end }}
+  {{- with include "deepspeed-training.progressSidecar" (dict "root" . "component" "worker") }}{{ . | nindent 2 }}{{- end }}
   containers:
     - name: worker
       image: {{ include "deepspeed-training.image" . | quote }}
@@ -152,7 +152,7 @@ spec:
         readOnly: true
     {{- end }}
     {{- with include "deepspeed-training.checkpointVolumes" . }}{{ . | nindent 4 }}{{- end }}
-    {{- with include "deepspeed-training.progressTokenVolume" (dict "root" . "automounted" false) }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "deepspeed-training.progressTokenVolume" . }}{{ . | nindent 4 }}{{- end }}
     {{- with .Values.worker.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
