@@ -128,17 +128,23 @@ image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cud
 image-hf: image ## The Hugging Face layer on the image (docker/Dockerfile.hf): transformers, accelerate, datasets.
 	bash scripts/image.sh build_hf
 
+.PHONY: image-sidecar
+image-sidecar: ## The progress sidecar's image (docker/Dockerfile.sidecar), which a platform pins as progress.image.
+	bash scripts/image.sh build_sidecar
+
 .PHONY: image-push
 image-push: ## Tag and push the image: make image-push REGISTRY=registry.example.com/ml
 	$(if $(REGISTRY),,$(error REGISTRY is required: `make image-push REGISTRY=registry.example.com/ml`))
 	REGISTRY=$(REGISTRY) bash scripts/image.sh push
 
 .PHONY: test-image
-test-image: ## Build the CPU image with podman (debootstrapped base) and run a launcher + 2 workers in it.
+test-image: ## Build the CPU and sidecar images with podman (debootstrapped base); run a launcher + 2 workers in them.
 	bash scripts/setup-podman.sh
 	bash scripts/image.sh base
 	VARIANT=cpu bash scripts/image.sh build
-	DS_TEST_IMAGE=deepspeed-train:0.1.0-cpu CONTAINERS_CONF=$(ROOT)/.build/containers.conf pytest tests/image -v
+	bash scripts/image.sh build_sidecar
+	DS_TEST_IMAGE=deepspeed-train:0.1.0-cpu DS_TEST_SIDECAR_IMAGE=deepspeed-sidecar:0.1.0 \
+	  CONTAINERS_CONF=$(ROOT)/.build/containers.conf pytest tests/image -v
 
 .PHONY: test-image-cuda
 test-image-cuda: ## Build the CUDA image and its Hugging Face layer with podman (no GPU needed) and check them.
@@ -157,5 +163,5 @@ test-cluster: ## The cluster tier on a real Kubernetes: the local one-node clust
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done
 	shellcheck -x -P SCRIPTDIR $(CHART)/files/*.sh scripts/*.sh docker/*.sh .ci/run
-	hadolint docker/Dockerfile docker/Dockerfile.hf
+	hadolint docker/Dockerfile docker/Dockerfile.hf docker/Dockerfile.sidecar
 	ruff check .

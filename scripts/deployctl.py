@@ -156,6 +156,7 @@ PLATFORM_ONLY = {
     ("deploy", "relaxSecurityFor"): "the projects whose pods may relax the security defaults",
     ("chart", "allowSecurityRelaxations"): "relaxed security (per project: deploy.relaxSecurityFor)",
     ("chart", "serviceAccount"): "the pods' ServiceAccount (its token and cloud identity)",
+    ("chart", "progress", "image"): "the progress sidecar's image (the container that holds the release's token)",
     ("chart", "checkpoints", "resumeAcrossWorldSizes"): "whether a job may resume on another world size",
     ("chart", "checkpoints", "resumeFrom"): "starting from another release's checkpoints (per project: "
                                             "deploy.projectResumeFrom)",
@@ -585,6 +586,12 @@ PINNED_FIELDS = {
     "kueueQueueName": ("Kueue queue (admission and quota)", [("scheduling",)]),
     "volcanoQueue": ("Volcano queue", [("scheduling",)]),
     "checkpointVolume": ("checkpoint volume (claim and directory)", [("checkpoints",)]),
+    # The sidecar holds the release's token: it runs the platform's image. With chart.progress.image empty it would
+    # run the workers' image, which projects choose: the platform pins chart.progress.image (values/base.yaml), or
+    # the project runs without the sidecar (chart.progress.enabled: false, chart.launcher.scaleDownWorkers: false).
+    "progressImage": ("progress sidecar's image (it holds the release's token: the platform pins "
+                      "chart.progress.image, or the project sets chart.progress.enabled: false and "
+                      "chart.launcher.scaleDownWorkers: false)", [("progress",), ("image",)]),
 }
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
@@ -610,6 +617,9 @@ def pinned_fields(manifests: str) -> dict[str, dict]:
                                                                ("schedulerName", ""))},
             "kueueQueueName": template["metadata"]["labels"].get(QUEUE_LABEL, ""),
             "volcanoQueue": volcano[0] if volcano else "",
+            # None: no sidecar, so no token to guard (a project may always run without it)
+            "progressImage": next((c["image"] for c in spec.get("initContainers", []) if c["name"] == "progress"),
+                                  None),
         }
         if component == "worker":  # the launcher mounts checkpoints only for the autotuner
             volume = next((v for v in spec.get("volumes", []) if v["name"] == "checkpoints"), {})
@@ -638,7 +648,7 @@ def check_pins(r: Rendered, manifests: str) -> None:
     for component, fields in ours.items():
         base = theirs.get(component) or theirs["worker"]  # a launcher the platform's own mode has not
         for name, value in fields.items():
-            if value == base.get(name, value) or value in choices.get(name, []):
+            if value == base.get(name, value) or value in choices.get(name, []) or value is None:
                 continue
             what, keys = PINNED_FIELDS[name]
             feeding = [("chart", *key) for key in keys]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The worker/launcher image (docker/Dockerfile).  Usage: scripts/image.sh build|build_hf|push|base
+# The worker/launcher image (docker/Dockerfile), and the progress sidecar's (docker/Dockerfile.sidecar).
+# Usage: scripts/image.sh build|build_hf|build_sidecar|push|base
 #   build     docker or podman build of IMAGE_NAME:IMAGE_TAG (VARIANT=cpu|cuda|rocm, default cpu; BASE, TORCH_PIP_ARGS,
 #             CUDA_ARCHS, GPU_ARCHS, CPU_ARCH pass through to docker/Dockerfile)
 #   build_hf  the Hugging Face layer on it (docker/Dockerfile.hf): IMAGE_NAME:IMAGE_TAG-hf
+#   build_sidecar  the progress sidecar's image (docker/Dockerfile.sidecar): SIDECAR_IMAGE (deepspeed-sidecar:0.1.0)
 #   push   tag and push it to REGISTRY
 #   base   (podman, offline machines) make the Dockerfile's FROM image with debootstrap instead of pulling it
 set -euo pipefail
@@ -11,6 +13,7 @@ cd "$root"
 VARIANT="${VARIANT:-cpu}"
 IMAGE_NAME="${IMAGE_NAME:-deepspeed-train}"
 IMAGE_TAG="${IMAGE_TAG:-0.1.0-$VARIANT}"
+SIDECAR_IMAGE="${SIDECAR_IMAGE:-deepspeed-sidecar:0.1.0}"
 read -r TORCH_VERSION DEEPSPEED_VERSION < <(python3 scripts/pins.py torch deepspeed)
 log() { echo "image: $*"; }
 
@@ -92,6 +95,19 @@ build_hf() {
     -t "$IMAGE_NAME:$IMAGE_TAG-hf" .
 }
 
+build_sidecar() {
+  local tool args=() kubernetes prometheus_client
+  tool=$(engine)
+  read -r kubernetes prometheus_client < <(python3 scripts/pins.py kubernetes prometheus-client)
+  if [[ -s "${SSL_CERT_FILE:-}" ]]; then args+=(--secret "id=ca,src=$SSL_CERT_FILE"); fi
+  if [[ -n "${BASE:-}" ]]; then args+=(--build-arg "BASE=$BASE"); fi
+  if [[ "$tool" == podman ]]; then args+=(--format docker); fi
+  if [[ "$tool" == podman && -z "${BASE:-}" ]] && podman image exists debian:bookworm-slim; then args+=(--pull=never); fi
+  log "$tool build $SIDECAR_IMAGE (the progress sidecar)"
+  "$tool" build -f docker/Dockerfile.sidecar --build-arg "KUBERNETES_VERSION=$kubernetes" \
+    --build-arg "PROMETHEUS_CLIENT_VERSION=$prometheus_client" "${args[@]}" -t "$SIDECAR_IMAGE" .
+}
+
 push() {
   local tool
   : "${REGISTRY:?REGISTRY is required: make image-push REGISTRY=registry.example.com/ml}"
@@ -101,9 +117,9 @@ push() {
 }
 
 case "${1:-}" in
-  build | build_hf | push | base) "$1" ;;
+  build | build_hf | build_sidecar | push | base) "$1" ;;
   *)
-    echo "usage: $0 build|build_hf|push|base" >&2
+    echo "usage: $0 build|build_hf|build_sidecar|push|base" >&2
     exit 2
     ;;
 esac

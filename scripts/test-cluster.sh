@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # `make test-cluster`: the cluster tier (tests/cluster) on a real Kubernetes.
-#   - KUBECONFIG set: run against that cluster (kind, a real one); DS_IMAGE names an image its nodes can pull.
-#   - otherwise: bring up the one-node Kubernetes of ../shared/k8s (root only) in .build/k8s, load the CPU image
-#     that `make test-image` built, run the tier, and always tear the cluster down again (also on failure or
+#   - KUBECONFIG set: run against that cluster (kind, a real one); DS_IMAGE names an image its nodes can pull, and
+#     DS_SIDECAR_IMAGE the progress sidecar's (optional: without it the sidecar runs DS_IMAGE).
+#   - otherwise: bring up the one-node Kubernetes of ../shared/k8s (root only) in .build/k8s, load the CPU and sidecar
+#     images that `make test-image` built, run the tier, and always tear the cluster down again (also on failure or
 #     Ctrl-C). Where that is not possible, say why and skip.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 log() { echo "test-cluster: $*"; }
 image="${DS_TEST_IMAGE:-localhost/deepspeed-train:0.1.0-cpu}"
+sidecar_image="${DS_TEST_SIDECAR_IMAGE:-localhost/deepspeed-sidecar:0.1.0}"
 pytest_args=(tests/cluster -v -rP -p no:cacheprovider --durations=0)  # -rP: what passing tests print (timings, summaries)
 
 if [[ -n "${KUBECONFIG:-}" ]]; then
@@ -26,10 +28,12 @@ if [[ $(id -u) -ne 0 ]]; then
   log "SKIPPED: the local Kubernetes needs root (set KUBECONFIG and DS_IMAGE to use a cluster)"
   exit 0
 fi
-if ! CONTAINERS_CONF="$root/.build/containers.conf" podman image exists "$image" 2> /dev/null; then
-  log "no image $image: run \`make test-image\` first (it builds it)"
-  exit 1
-fi
+for built in "$image" "$sidecar_image"; do
+  if ! CONTAINERS_CONF="$root/.build/containers.conf" podman image exists "$built" 2> /dev/null; then
+    log "no image $built: run \`make test-image\` first (it builds it)"
+    exit 1
+  fi
+done
 
 state="$root/.build/k8s"
 down() { "$k8s/local-k8s.sh" down "$state" --purge > "$root/.build/k8s-down.log" 2>&1 || log "tear-down failed: .build/k8s-down.log"; }
@@ -40,7 +44,9 @@ KUBECONFIG="$("$k8s/local-k8s.sh" up "$state" 2> "$root/.build/k8s-up.log")" || 
 export KUBECONFIG
 log "cluster up in $((SECONDS - started))s"
 started=$SECONDS
-CONTAINERS_CONF="$root/.build/containers.conf" "$k8s/local-k8s.sh" import "$state" "$image" > "$root/.build/k8s-import.log" 2>&1 \
-  || { cat "$root/.build/k8s-import.log"; exit 1; }
-log "image $image loaded in $((SECONDS - started))s"
-DS_IMAGE="$image" LOCAL_K8S="$k8s/local-k8s.sh" LOCAL_K8S_STATE="$state" pytest "${pytest_args[@]}"
+for built in "$image" "$sidecar_image"; do
+  CONTAINERS_CONF="$root/.build/containers.conf" "$k8s/local-k8s.sh" import "$state" "$built" \
+    >> "$root/.build/k8s-import.log" 2>&1 || { cat "$root/.build/k8s-import.log"; exit 1; }
+done
+log "images $image and $sidecar_image loaded in $((SECONDS - started))s"
+DS_IMAGE="$image" DS_SIDECAR_IMAGE="$sidecar_image" LOCAL_K8S="$k8s/local-k8s.sh" LOCAL_K8S_STATE="$state" pytest "${pytest_args[@]}"

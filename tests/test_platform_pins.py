@@ -31,6 +31,7 @@ PLATFORM_VALUES = {
     ("chart", "checkpoints", "resumeFrom"): "ml-dev/old",
     ("deploy", "projectResumeFrom"): {"other": "ml-dev/old"},
     ("deploy", "projectChoices"): {"priorityClassName": ["training"]},
+    ("chart", "progress", "image"): "registry.example.com/platform/sidecar:2",
 }
 
 
@@ -169,3 +170,23 @@ def test_the_platform_gives_one_project_another_releases_checkpoints(tree, capsy
     assert code == 1 and PROJECT in err and "chart.checkpoints.resumeFrom" in err, err
 
 
+
+
+def test_the_sidecar_that_holds_the_token_runs_the_platforms_image_or_none(tree, capsys):
+    """With chart.progress.image empty the token-holding sidecar would run the workers' image, which the project
+    chooses: refused, saying how to run without the sidecar; without it, or with the platform's image, it deploys."""
+    set_key("dev.yaml", "chart", "progress", "image", "")(tree)  # the platform pins no sidecar image
+    set_key("projects/example/values.yaml", "chart", "image", {"tag": "team-1.2"})(tree)
+    code, out, err = run("deploy", *DEV_EXAMPLE, "--dry-run", capsys=capsys)
+    assert code == 1 and "upgrade" not in out, out
+    assert PROJECT in err and "progress sidecar's image" in err and "deploy.projectChoices.progressImage" in err, err
+    assert "chart.progress.enabled: false" in err and len(err.strip().splitlines()) == 1, err
+    set_key("projects/example/values.yaml", "chart", "progress", "enabled", False)(tree)
+    set_key("projects/example/values.yaml", "chart", "launcher", "scaleDownWorkers", False)(tree)
+    code, out, err = run("template", *DEV_EXAMPLE, capsys=capsys)
+    assert code == 0 and "initContainers" not in out, err
+    set_key("dev.yaml", "chart", "progress", "image", "registry.example.com/platform/sidecar:2")(tree)
+    set_key("projects/example/values.yaml", "chart", "progress", "enabled", True)(tree)
+    code, out, err = run("template", *DEV_EXAMPLE, capsys=capsys)
+    assert code == 0, err
+    assert out.count('image: "registry.example.com/platform/sidecar:2"') == 2  # the workers' and the launcher's

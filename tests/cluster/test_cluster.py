@@ -26,6 +26,7 @@ sys.path.insert(0, str(CHART / "files"))
 import attempts  # noqa: E402 - the pod script that keeps the job's ledger (tests/test_attempts.py)
 
 KUBECONFIG, IMAGE = os.environ.get("KUBECONFIG", ""), os.environ.get("DS_IMAGE", "")
+SIDECAR_IMAGE = os.environ.get("DS_SIDECAR_IMAGE", "")  # the progress sidecar's (make image-sidecar); "": DS_IMAGE
 SMALL_NODE = CHART / "ci" / "09-small-node-values.yaml"
 RELEASE = "ci"
 LAUNCHER = f"{RELEASE}-deepspeed-training-launcher-1"  # one Job per Helm revision
@@ -143,6 +144,7 @@ def install(namespace: str, steps: int, action: str = "install", check: bool = T
     # The chart's collective timeout (10 min), not a short one: it also bounds the start-up rendezvous, and on a
     # loaded 2-CPU node the ranks of a retry can start more than 30 s apart (a 30 s timeout failed a retry in CI).
     layer = {"image": {"repository": repository, "tag": tag, "pullPolicy": "IfNotPresent"},
+             "progress": {"image": SIDECAR_IMAGE},
              "deepspeed": {"config": cpu_ds_config(stage=2, micro=4)},
              "train": {"config": {"steps": steps, "log_every": 5, "checkpoint_every": 10,
                                   "model": {"n_layer": 2, "d_model": 64, "seq_len": 32},
