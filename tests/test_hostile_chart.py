@@ -124,6 +124,11 @@ BAD = {
     "claim spec with an unknown access mode": ({"worker": {"replicas": 1}, "checkpoints": {"volumeClaimSpec": {
         "accessModes": ["ReadWriteSometimes"]}}}, ["accessModes"]),
     "tolerations as a string": ({"worker": {"tolerations": "all"}}, ["tolerations"]),
+    # The config check hook: a fixed small request and a short deadline (it runs the tenant's image)
+    "config check given GPUs": ({"configCheck": {"resources": {"limits": {"nvidia.com/gpu": 8}}}},
+                                ["configCheck", "resources"]),
+    "config check for a day": ({"configCheck": {"timeoutSeconds": 86400}}, ["timeoutSeconds"]),
+    "config check queue with a field": ({"configCheck": {"kueueQueueName": "q\nx: y"}}, ["kueueQueueName"]),
     # Resource names Kubernetes does not know, in every resources map (the API server would refuse them mid-install)
     "resource name typo": ({"worker": {"resources": {"requests": {"memroy": "2Gi"}}}},
                            ["worker.resources.requests", "memroy"]),

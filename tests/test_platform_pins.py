@@ -115,6 +115,7 @@ PIN_CASES = {
     "scheduling.volcano.enabled": (("scheduling", "volcano"), {"enabled": True, "queue": "gold"}, "schedulerName"),
     "checkpoints.existingClaim of another team": (("checkpoints", "existingClaim"), "other-ckpt", "checkpointVolume"),
     "checkpoints.existingClaim cleared": (("checkpoints", "existingClaim"), "", "checkpointVolume"),
+    "configCheck.kueueQueueName of another team": (("configCheck", "kueueQueueName"), "other", "kueueQueueName"),
 }
 
 

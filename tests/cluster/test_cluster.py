@@ -248,8 +248,8 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     install(namespace, steps=60)
     print(f"\nhelm install (config check included) returned in {time.monotonic() - started:.1f}s")
     # The config check passed and Helm removed its hook objects.
-    assert kubectl("get", "jobs,configmaps", "-l", "app.kubernetes.io/component=config-check", "-o", "name",
-                   namespace=namespace).strip() == ""
+    assert kubectl("get", "jobs,configmaps,serviceaccounts", "-l", "app.kubernetes.io/component=config-check", "-o",
+                   "name", namespace=namespace).strip() == ""
     # While the workers run: what the kubelet made of the pod specs.
     for ordinal in (0, 1):
         wait_for(lambda o=ordinal: any(c["type"] == "Ready" and c["status"] == "True" for c in get(

@@ -177,9 +177,30 @@ left out (`helm template` generates new keys each time); rotating ssh.existingSe
 {{- printf "%s%s" (toJson $config.data) (toJson $scripts.data) | sha256sum }}
 {{- end }}
 
-{{/* Pod-level fields shared by worker and launcher (pull secrets, scheduling, pod securityContext);
+{{/* Pod-level fields shared by worker and launcher (pull secrets, scheduling, pod securityContext, the gang);
 `.component` is "worker" or "launcher". */}}
 {{- define "deepspeed-training.podSpecFields" -}}
+{{- include "deepspeed-training.placement" . }}
+{{- with .root.Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with include "deepspeed-training.gangApi" .root }}
+{{- if eq . "scheduling.k8s.io/v1alpha1" }}
+workloadRef:
+  name: {{ include "deepspeed-training.fullname" $.root | quote }}
+  podGroup: gang
+{{- else }}
+schedulingGroup:
+  podGroupName: {{ include "deepspeed-training.fullname" $.root | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Where the platform's scheduling puts a pod of `.component` ("worker", "launcher"): pull secrets, scheduler,
+PriorityClass, node selector, tolerations and affinity (the component's own, else the global ones). The config
+check hook takes the workers': nothing the chart runs is placed outside them. */}}
+{{- define "deepspeed-training.placement" -}}
 {{- $values := index .root.Values .component }}
 {{- $global := .root.Values.global }}
 {{- with .root.Values.image.pullSecrets }}
@@ -206,20 +227,12 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .root.Values.podSecurityContext }}
-securityContext:
-  {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with include "deepspeed-training.gangApi" .root }}
-{{- if eq . "scheduling.k8s.io/v1alpha1" }}
-workloadRef:
-  name: {{ include "deepspeed-training.fullname" $.root | quote }}
-  podGroup: gang
-{{- else }}
-schedulingGroup:
-  podGroupName: {{ include "deepspeed-training.fullname" $.root | quote }}
-{{- end }}
-{{- end }}
+
+{{/* The Kueue queue of the config check hook: configCheck.kueueQueueName, else the release's (a check of the
+tenant's image is admitted and counted like its workers). */}}
+{{- define "deepspeed-training.configCheckQueue" -}}
+{{- .Values.configCheck.kueueQueueName | default .Values.scheduling.kueueQueueName }}
 {{- end }}
 
 {{/* Labels and annotations that put a pod into the gang-scheduling group, when one is on. */}}
