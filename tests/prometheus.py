@@ -37,15 +37,17 @@ def dashboard_queries(namespace: str, release: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def scraping(targets: dict[str, list[str]]):
-    """A Prometheus scraping each namespace's targets (host:port) every second, labelled with the namespace as a
-    PodMonitor's discovery labels them (a label the target cannot set); yields its HTTP port."""
+def scraping(targets: dict[tuple[str, str], list[str]], sample_limit: int = 0):
+    """A Prometheus scraping targets (host:port) every second, each group labelled with its (namespace, release) as
+    the chart's PodMonitor labels a pod (its namespace and its `app.kubernetes.io/instance` from discovery, labels
+    the target cannot set: honor_labels false), with the PodMonitor's sampleLimit; yields its HTTP port."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "prometheus.yml"
         config.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
-            {"job_name": "deepspeed", "static_configs": [{"targets": hosts, "labels": {"namespace": namespace}}
-                                                         for namespace, hosts in targets.items()]}]}))
+            {"job_name": "deepspeed", "honor_labels": False, "sample_limit": sample_limit,
+             "static_configs": [{"targets": hosts, "labels": {"namespace": namespace, "release": release}}
+                                for (namespace, release), hosts in targets.items()]}]}))
         server = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp}/tsdb",
                                    f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helm_template import HELM, ROOT, container, env_of, one, render_chart
+from train import podstate
 
 ATTEMPTS = ROOT / "charts" / "deepspeed-training" / "files" / "attempts.py"
 sys.path.insert(0, str(ATTEMPTS.parent))
@@ -19,10 +20,11 @@ import attempts  # noqa: E402 - the pod script itself, imported as gang-barrier.
 needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 
 
-def run(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(tmp_path: Path, *args: str, env: dict | None = None, stdin: str | None = None
+        ) -> subprocess.CompletedProcess:
     base = {"PATH": os.environ["PATH"], "DS_ATTEMPTS_DIR": str(tmp_path / "attempts"), "DS_JOB_UID": "job-1",
             "DS_RUN_RETRIES": "3"}
-    return subprocess.run([sys.executable, str(ATTEMPTS), *args], env={**base, **(env or {})},
+    return subprocess.run([sys.executable, str(ATTEMPTS), *args], env={**base, **(env or {})}, input=stdin,
                           capture_output=True, text=True, timeout=30)
 
 
@@ -48,7 +50,7 @@ def test_preemptions_do_not_spend_the_budget_and_a_spent_budget_ends_the_job(tmp
     env = dict(line.split("=", 1) for line in sixth.stdout.splitlines())
     assert (env["DS_ATTEMPT"], env["DS_FAILURES"], env["DS_FAILURE_BUDGET"], env["DS_PREEMPTIONS"]) == \
         ("6", "3", "3", "2")
-    assert env["DS_RUN_ID"] == "run-0006-job-1" and env["DS_ATTEMPT_DIR"].endswith("attempts/job-1/0006")
+    assert env["DS_RUN_ID"] == "run-0006-job1" and env["DS_ATTEMPT_DIR"].endswith("attempts/job-1/0006")
     run(tmp_path, "end", "1", env=env)  # a fourth failure: over the budget
     spent = run(tmp_path, "begin")
     assert spent.returncode == attempts.BUDGET_SPENT and spent.stdout == ""
@@ -120,3 +122,57 @@ def test_the_charts_pod_failure_policy_and_ledger_place_match_attempts_py():
         mounts = [m["mountPath"] for m in owner.get("volumeMounts", [])]
         assert (ledger.startswith("/checkpoints")) == ("/checkpoints" in mounts), (values, mounts)
         assert "attempts.py" in one(docs, "ConfigMap", "-scripts")["data"]
+
+
+def hang(host: str, run: str, rank: int, kind: str, beat: float, where: str) -> dict:
+    return podstate.hang_report(host, run, beat + 20, [podstate.hang_rank(rank, host, kind, beat, 200, "training",
+                                                                         where)])
+
+
+def test_ssh_the_ledger_names_the_culprit_on_the_second_host_from_every_hosts_report(tmp_path):
+    """The launcher collects every worker's hang report from pdsh's output after a failed run; the attempt's cause,
+    the verdict the sidecar publishes and the next attempt's reason name the stopped rank on worker 1, not worker
+    0's rank waiting in all_reduce (whose report comes first)."""
+    state = tmp_path / "ranks"
+    env = {**begin(tmp_path), podstate.STATE_DIR_ENV: str(state)}
+    run_id = env["DS_RUN_ID"]
+    victim = hang("w-0", run_id, 0, "in-collective", 1000.0, "waits in a collective: all_reduce")
+    culprit = hang("w-1", run_id, 1, "stopped", 990.0, "process stopped (T (stopped))")
+    stale = hang("w-2", "run-0009-other", 2, "stopped", 10.0, "of another run")
+    pdsh = "".join(f"{host}: {line}\n" for host, line in (
+        ("w-0", f"hang on w-0 ({run_id}): rank 0 made no progress for 12s"), ("w-2", json.dumps(stale)),
+        ("w-1", '{"v": 1, "ranks": "hostile"}')))
+    # A report without its newline runs into the next host's line, as pdsh writes them.
+    pdsh += f"w-0: {json.dumps(victim)}w-1: {json.dumps(culprit)}\n"
+    collected = run(tmp_path, "collect", env=env, stdin=pdsh)
+    assert collected.returncode == 0 and collected.stdout == f"w-0: hang on w-0 ({run_id}): rank 0 made no progress " \
+        "for 12s\n", collected.stdout
+    assert run(tmp_path, "end", "1", env=env).returncode == 0
+    verdict = json.loads((state / attempts.VERDICT).read_text())
+    assert verdict["state"] == "failed" and verdict["culprit"] == "rank 1 on w-1", verdict
+    assert verdict["reason"].startswith("attempt 1 ended: hang: rank 1 on w-1 is the likely culprit (its process is "
+                                        "stopped, after step 200); 1 rank waits for it in collectives (rank 0 on w-0)")
+    cause = json.loads((Path(env["DS_ATTEMPT_DIR"]) / "cause.json").read_text())
+    assert cause == {"status": 1, "reason": verdict["reason"], "culprit": "rank 1 on w-1"}
+    run(tmp_path, "begin", env=env)  # the retry keeps saying why the attempt before ended
+    assert json.loads((state / attempts.VERDICT).read_text())["reason"] == verdict["reason"]
+
+
+def test_nossh_the_reports_that_arrive_at_the_barrier_name_the_culprit_after_the_attempt_ended(tmp_path,
+                                                                                              monkeypatch):
+    """nossh: worker 0 ends the attempt before the others' reports reach it (they come with them to the start
+    barrier): the cause is recorded again with them."""
+    state = tmp_path / "ranks"
+    env = {**begin(tmp_path), podstate.STATE_DIR_ENV: str(state), "DS_ATTEMPTS_DIR": str(tmp_path / "attempts"),
+           "DS_JOB_UID": "job-1", "DS_RUN_RETRIES": "3"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    attempts.end(1)
+    assert json.loads((state / attempts.VERDICT).read_text())["reason"] == "attempt 1 ended with status 1"
+    run_id = env["DS_RUN_ID"]
+    attempts.record_reports([hang("w-0", run_id, 0, "in-collective", 1000.0, "waits: all_reduce"), "junk",
+                             hang("w-1", run_id, 1, "outside-collective", 995.0, "in read_the_stuck_mount (x.py:9)")])
+    verdict = json.loads((state / attempts.VERDICT).read_text())
+    assert verdict["culprit"] == "rank 1 on w-1" and "stuck outside any collective: in read_the_stuck_mount" in \
+        verdict["reason"], verdict
+    assert attempts.cause_of(Path(env["DS_ATTEMPT_DIR"]))["culprit"] == "rank 1 on w-1"

@@ -211,7 +211,8 @@ def test_no_container_of_the_tenants_image_holds_a_token_and_the_launchers_sidec
     assert one(docs, "RoleBinding", "-scale-workers")["subjects"] == [
         {"kind": "ServiceAccount", "name": one(docs, "ServiceAccount")["metadata"]["name"], "namespace": "default"}]
     sidecar = job["spec"]["template"]["spec"]["initContainers"][0]
-    assert sidecar["command"][5:7] == ["--scale-down", sts["metadata"]["name"]]
+    command = sidecar["command"]
+    assert command[command.index("--scale-down") + 1] == sts["metadata"]["name"]
     assert "--scale-down" not in sts["spec"]["template"]["spec"]["initContainers"][0]["command"]
     assert not {"DS_SCALE_DOWN_WORKERS", "DS_WORKER_STATEFULSET"} & set(env_of(job))
 
@@ -249,8 +250,17 @@ def test_the_progress_role_patches_one_configmap_and_only_the_sidecar_holds_its_
         assert token_mounts(pod) == {"progress": ["progress-token"], main: []}
         sidecar = pod["initContainers"][0]
         assert sidecar["restartPolicy"] == "Always"  # a native sidecar: the Job's pod ends with its main container
-        assert sidecar["command"][1:3] == ["-I", "/etc/deepspeed/scripts/progress.py"]
-        assert sidecar["command"][3:] == ["--configmap", "job-deepspeed-training-progress", "--metrics-port", "9400"]
+        assert sidecar["command"][1:3] == ["-I", "/etc/deepspeed/scripts/sidecar.py"]
+        # Node rank 0's sidecar holds rank 0's progress; the ledger's owner's (ssh: launcher; nossh: worker 0) the
+        # job's record. DS_NODE_RANK says which worker a pod is.
+        role = (["--progress", "--job"] if mode == "nossh" else ["--progress"]) if main == "worker" else ["--job"]
+        sizes = ["--world-size", "2", "--ranks-per-pod", "1"] if main == "worker" else []
+        assert sidecar["command"][3:] == ["--configmap", "job-deepspeed-training-progress", *role, *sizes,
+                                          "--metrics-port", "9400"]
+        node_rank = {e["name"]: e for e in sidecar["env"]}.get("DS_NODE_RANK")
+        label = "batch.kubernetes.io/job-completion-index" if mode == "nossh" else "apps.kubernetes.io/pod-index"
+        assert (node_rank and node_rank["valueFrom"]["fieldRef"]["fieldPath"]) == (
+            f"metadata.labels['{label}']" if main == "worker" else None)
         assert sidecar["image"] == pod["containers"][0]["image"]  # progress.image empty: the workers' image
         assert sidecar["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
         assert sidecar["securityContext"] == pod["containers"][0]["securityContext"]
@@ -277,7 +287,12 @@ def test_the_pod_monitor_needs_the_value_and_the_api_and_the_metrics_port_opens_
     assert by_kind(render_chart({"progress": {"podMonitor": True}}), "PodMonitor") == []
     assert by_kind(render_chart(api_versions=[api]), "PodMonitor") == []
     monitor = one(render_chart({"progress": {"podMonitor": True}}, api_versions=[api]), "PodMonitor")
-    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    # The release from the pod's own labels, never from the exposition; a flood fails the scrape (tests/test_sidecar)
+    assert monitor["spec"]["podMetricsEndpoints"] == [{
+        "port": "metrics", "path": "/metrics", "interval": "15s", "honorLabels": False, "relabelings": [
+            {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"], "targetLabel": "release",
+             "action": "replace"}]}]
+    assert monitor["spec"]["sampleLimit"] == 43  # 40 + 3 x gpusPerWorker
     assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "job"
     release = {"app.kubernetes.io/name": "deepspeed-training", "app.kubernetes.io/instance": "job"}
     scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]

@@ -1,5 +1,5 @@
 """The scale-down after a successful run (launcher.scaleDownWorkers): the launcher pod's progress sidecar
-(files/progress.py --scale-down, the `kubernetes` client), the only container with a token, patches the workers'
+(files/sidecar.py --scale-down, the `kubernetes` client), the only container with a token, patches the workers'
 scale once the ledger says the job is done, and never otherwise. Against a local stand-in for the API server that
 records what it is sent; the cluster tier (tests/cluster) does it on a real one."""
 
@@ -56,12 +56,12 @@ def api(tmp_path):
 
 
 class Sidecar:
-    """files/progress.py --scale-down as the launcher pod runs it (python3 -I), its output collected as it comes."""
+    """files/sidecar.py --scale-down as the launcher pod runs it (python3 -I), its output collected as it comes."""
 
     def __init__(self, state_dir, kubeconfig):
         env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": "ml",
                "DS_RANK_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "progress.py"), "--scale-down",
+        self.process = subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "sidecar.py"), "--scale-down",
                                          "job-worker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
         self.lines: list[str] = []

@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -149,25 +148,6 @@ def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_p
     assert [p.name for p in (tmp_path / "ranks").iterdir()] == [rankstate.PROGRESS]
     monkeypatch.delenv("DS_RANK_STATE_DIR")
     rankstate.report("starting")  # outside the chart: nothing written, nothing raised
-
-
-def test_kill_ranks_reads_the_states_the_train_package_writes():
-    from train import rankstate
-    script = (ROOT / "charts" / "deepspeed-training" / "files" / "kill-ranks.sh").read_text()
-    read = set(re.findall(r"kill_where ([a-z]+) ", script))
-    assert read == {"starting", "restoring", "training"} and read < set(rankstate.STATES)
-    assert "`stopping`" in script and "`saving`" in script  # the states it leaves to the grace period
-
-
-def test_the_watchdog_reads_the_contract_the_ranks_write():
-    """charts/.../watchdog.py runs in any image with the standard library alone: it repeats rankstate's
-    contract, and this keeps the two copies equal."""
-    import runpy
-
-    from train import rankstate
-    watchdog = runpy.run_path(str(ROOT / "charts" / "deepspeed-training" / "files" / "watchdog.py"))
-    for name in ("STATES", "CHECKPOINT_STATES", "STEP_MULTIPLE", "DUMP_SIGNAL", "FR_REQUEST", "FR_DUMP"):
-        assert watchdog[name] == getattr(rankstate, name), name
 
 
 def test_a_checkpoint_slower_to_save_than_the_sigterm_grace_is_warned_about(tmp_path, monkeypatch, caplog):

@@ -22,9 +22,11 @@ import os
 import time
 from pathlib import Path
 
+from train import podstate
+
 FLUSH_S = 2.0
 KEEP_SAVES = 50  # the productive time at the last saves: a retry resumes from one of them
-BUCKETS = ("productive", "startup", "restore", "save", "recomputation", "hung")
+BUCKETS = podstate.GOODPUT_BUCKETS  # published under these names (the sidecar's metrics take no others)
 TAIL_BYTES = 64
 
 

@@ -26,30 +26,26 @@ step and step time (from report() and, every PUBLISH_EVERY_S at most, beat()), t
 give every rank (DS_ATTEMPT, ...), and whatever the program adds with `publish(...)` (steps, loss, tokens_per_s,
 mfu, eta_s, checkpoint_step, ...). The chart's progress sidecar (files/progress.py) puts it into the
 <release>-progress ConfigMap and serves it, with every rank's state line, as Prometheus metrics.
-watchdog.py repeats STATES, CHECKPOINT_STATES, STEP_MULTIPLE, the signal and the FR file suffixes;
-tests/test_train_units.py checks that the two agree.
+The protocol's words, files and signal are train/podstate.py's, which the chart's pod scripts read from their copy.
 """
 
 import faulthandler
 import json
 import math
 import os
-import signal
 import threading
 import time
 from pathlib import Path
 
-STATES = ("starting", "restoring", "training", "saving", "stopping")
-CHECKPOINT_STATES = ("restoring", "saving")  # judged by their own budget, not the step budget
-STEP_MULTIPLE = 10  # a step budget is at least this many of the rank's own recent step times
-DUMP_SIGNAL = signal.SIGUSR1
-FR_REQUEST = ".fr-request"  # <pid>.fr-request: the FIFO the watchdog writes to for a flight recorder dump
-FR_DUMP = ".fr.json"  # <pid>.fr.json: torch's dump (_dump_fr_trace_json), replaced atomically
+from train import podstate
+
+STATES, CHECKPOINT_STATES, STEP_MULTIPLE = podstate.STATES, podstate.CHECKPOINT_STATES, podstate.STEP_MULTIPLE
+DUMP_SIGNAL = podstate.DUMP_SIGNAL
+FR_REQUEST, FR_DUMP = podstate.FR_REQUEST_SUFFIX, podstate.FR_DUMP_SUFFIX
 LINE_BYTES = 80  # a step's line, padded: beat() rewrites it in place (one pwrite, ~1 us; a replace is ~0.3 ms)
-PROGRESS = "progress.json"  # rank 0's progress, for files/progress.py
+PROGRESS = podstate.PROGRESS  # rank 0's progress, for the chart's sidecar
 PUBLISH_EVERY_S = 2.0  # beat() refreshes PROGRESS at most this often (a replace is ~0.3 ms)
-ATTEMPT_ENV = {"attempt": "DS_ATTEMPT", "failures": "DS_FAILURES", "failure_budget": "DS_FAILURE_BUDGET",
-               "preemptions": "DS_PREEMPTIONS", "run": "DS_RUN_ID"}  # files/attempts.py's, for every rank
+ATTEMPT_ENV = {key: podstate.ATTEMPT_ENV[key] for key in podstate.COUNTER_KEYS}  # the pod scripts', for every rank
 
 _dump_file = None  # kept open for faulthandler, which writes to its descriptor from the signal handler
 _last_beat: tuple[int, float] | None = None  # (step, time) of the previous beat
@@ -62,7 +58,7 @@ _publishing = False  # publish() is writing: a signal handler's report() in betw
 
 
 def _path() -> Path | None:
-    directory = os.environ.get("DS_RANK_STATE_DIR")
+    directory = os.environ.get(podstate.STATE_DIR_ENV)
     return Path(directory) / str(os.getpid()) if directory else None
 
 
@@ -155,7 +151,7 @@ def publish(**fields) -> None:
     """Rank 0: merges `fields` (None leaves a field as it was) into PROGRESS, with the step time and the attempt
     counter, and replaces the file; other ranks, or no DS_RANK_STATE_DIR: nothing. Errors are ignored."""
     global _next_publish, _publishing
-    directory = os.environ.get("DS_RANK_STATE_DIR")
+    directory = os.environ.get(podstate.STATE_DIR_ENV)
     if not directory or _rank() != "0":
         return
     _next_publish = time.monotonic() + PUBLISH_EVERY_S

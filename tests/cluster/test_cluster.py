@@ -211,17 +211,21 @@ def check_progress_while_training(namespace: str) -> None:
 
 
 def check_the_dashboard_on_a_real_prometheus(namespace: str) -> None:
-    """A real Prometheus on this host scrapes both workers' sidecars (pod IPs: the local cluster's bridge), and
-    every query of the chart's dashboard returns a series for this release."""
+    """A real Prometheus on this host scrapes every pod's sidecar (pod IPs: the local cluster's bridge) as the
+    chart's PodMonitor would (its sampleLimit, the release from the pod's labels), and every query of the chart's
+    dashboard returns a series for this release: the workers' ranks and rank 0's progress, the launcher's job."""
     if not (PROMETHEUS and os.environ.get("LOCAL_K8S")):
         print("dashboard queries not run here: needs `prometheus` (make setup) and the local cluster's pod network")
         return
-    pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=worker", "-o", "json",
+    pods = json.loads(kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "json",
                               namespace=namespace))["items"]
-    with scraping({namespace: [f"{p['status']['podIP']}:9400" for p in pods]}) as port:
+    running = [p for p in pods if p["status"].get("phase") == "Running" and p["status"].get("podIP")]
+    with scraping({(namespace, RELEASE): [f"{p['status']['podIP']}:9400" for p in running]},
+                  sample_limit=40 + 3 * 1) as port:  # the PodMonitor's for gpusPerWorker 1 (tests/test_sidecar.py)
         wait_for(lambda: len(query(port, "deepspeed_training_rank_step")) == 2
-                 and query(port, "deepspeed_training_goodput_seconds"), 60, "Prometheus to scrape both workers")
-        for expr in dashboard_queries(namespace, f"{namespace}/{RELEASE}"):
+                 and query(port, "deepspeed_training_goodput_seconds") and query(port, "deepspeed_training_attempt"),
+                 60, "Prometheus to scrape the workers and the launcher")
+        for expr in dashboard_queries(namespace, RELEASE):
             assert query(port, expr), expr
 
 
@@ -241,6 +245,55 @@ def test_the_chart_alone_refuses_a_config_every_rank_would_refuse_before_creatin
     made = kubectl("get", "statefulsets,services,jobs,pods", "-o", "name", namespace=namespace).split()
     assert all("config-check" in name for name in made), made
     print(f"\nhelm install refused in {took:.1f}s:\n{output.strip()}")
+
+
+def rights(namespace: str, account: str) -> set[tuple[str, str, str]]:  # (resource.group, name, verb)
+    """(resource, resourceName, verb) the API server grants `account` in `namespace`, from outside the pods: the
+    SelfSubjectRulesReview that `kubectl auth can-i --list` prints, as the account (impersonated), less what every
+    authenticated account may do (ask what it may do)."""
+    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectRulesReview",
+              "spec": {"namespace": namespace}}
+    proc = subprocess.run(["kubectl", "create", "-o", "json", "-f", "-", f"--as=system:serviceaccount:{namespace}:"
+                           f"{account}"], input=json.dumps(review), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    granted = set()
+    for rule in json.loads(proc.stdout)["status"].get("resourceRules", []):
+        if set(rule.get("resources", [])) & {"selfsubjectaccessreviews", "selfsubjectrulesreviews",
+                                               "selfsubjectreviews"}:
+            continue  # any account may ask what it may do
+        for group in rule.get("apiGroups", [""]):
+            for resource in rule.get("resources", []):
+                for name in rule.get("resourceNames", ["*"]):
+                    granted |= {(f"{resource}{'.' + group if group else ''}", name, verb)
+                                for verb in rule.get("verbs", [])}
+    return granted
+
+
+def test_each_account_holds_only_its_own_releases_rights(namespace):
+    """The accounts the chart binds, from the API server's side: the release's own account may get and patch its
+    progress ConfigMap and patch its workers' scale, and nothing else; a second release running as a shared account
+    (a platform's) gets no Role at all, so it holds none of the first's rights; the config check's account none.
+    The pods never get scheduled here (a scheduler nobody runs): the rights are the objects'."""
+    unscheduled = {"scheduling": {"schedulerName": "nobody"}, "configCheck": {"enabled": False}}
+    install(namespace, steps=10, **unscheduled)
+    kubectl("create", "serviceaccount", "platform-trainer", namespace=namespace)
+    proc = subprocess.run([HELM, "install", "other", str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
+                           "--set", f"image.repository={IMAGE.rpartition(':')[0]}", "--set",
+                           f"image.tag={IMAGE.rpartition(':')[2]}", "--set", "serviceAccount.create=false", "--set",
+                           "serviceAccount.name=platform-trainer", "--set", "launcher.scaleDownWorkers=false",
+                           "--set", "scheduling.schedulerName=nobody", "--set", "configCheck.enabled=false"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    own = rights(namespace, f"{RELEASE}-deepspeed-training")
+    assert own == {("configmaps", f"{RELEASE}-deepspeed-training-progress", "get"),
+                   ("configmaps", f"{RELEASE}-deepspeed-training-progress", "patch"),
+                   ("statefulsets/scale.apps", f"{RELEASE}-deepspeed-training-worker", "patch")}, own
+    assert rights(namespace, "platform-trainer") == set()  # the shared account: no Role bound to it, by any release
+    assert rights(namespace, "default") == set()
+    bindings = json.loads(kubectl("get", "rolebindings", "-o", "json", namespace=namespace))["items"]
+    assert {s["name"] for b in bindings for s in b["subjects"]} == {f"{RELEASE}-deepspeed-training"}, bindings
+    print(f"\nkubectl auth can-i --list --as=system:serviceaccount:{namespace}:{RELEASE}-deepspeed-training: "
+          f"{sorted(own)}")
 
 
 def test_install_trains_to_completion_with_restricted_pods_and_scales_down(namespace):
@@ -324,7 +377,13 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
     # The stop may land in a save (every 20 steps): checkpointSeconds bounds that, as stepSeconds bounds a step.
     saved_before_stop = int(latest_checkpoint(namespace).removeprefix("step_"))
     worker_exec(namespace, 1, "pkill", "-STOP", "-f", "--", "--local_rank=")
-    outcome = wait_for(lambda: job_outcome(namespace), 300, "the Job to finish", lambda: diagnose(namespace))
+    seen = {}
+    outcome = wait_for(lambda: culprit_seen(namespace, seen) and job_outcome(namespace), 300, "the Job to finish",
+                       lambda: diagnose(namespace))
+    # The progress ConfigMap (the launcher's sidecar, from both workers' reports) names the stopped rank on the
+    # second host, not the first host's rank that waits for it (what it showed before).
+    assert seen.get("culprit") == f"rank 1 on {WORKERS}-1", seen
+    assert f"hang: rank 1 on {WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
     logs = launcher_logs(namespace)
     assert outcome == "Complete", attempts_summary(namespace)
     assert get("job", LAUNCHER, namespace)["status"].get("failed") is None, attempts_summary(namespace)
@@ -338,6 +397,34 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
     # The stacks behind the report (in a step's all_reduce, or a save's collective when the stop hit a save).
     stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/diagnostics/run-*/*worker-0.txt")
     assert f"in {waits[1]}" in stacks
+
+
+def culprit_seen(namespace: str, seen: dict) -> bool:
+    """Keeps the progress ConfigMap's data once it names a culprit; always True (a wait's side look)."""
+    data = progress_data(namespace)
+    if data.get("culprit") and not seen:
+        seen.update(data)
+    return True
+
+
+def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
+    """nossh on per-pod volumes (no shared diagnostics/): worker 1's report reaches worker 0 at the start barrier,
+    whose sidecar names the culprit in the ConfigMap as the retry in the pods starts."""
+    install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 1},
+            hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
+    wait_for(lambda: "INFO step 40/" in kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-"
+                                                "completion-index=0", "--tail=-1", namespace=namespace, check=False),
+             300, "step 40", lambda: diagnose(namespace))
+    kubectl("exec", nossh_pod(namespace, 1), "--", "pkill", "-STOP", "-f", "--", "--local_rank=", namespace=namespace)
+    seen = wait_for(lambda: (data := progress_data(namespace)).get("culprit") and "attempt 2 (" in data.get(
+        "summary", "") and data, 300, "the ConfigMap to name the culprit during the retry",
+        lambda: f"{progress_data(namespace)}\n{diagnose(namespace)}")
+    assert seen["culprit"] == f"rank 1 on {NOSSH_WORKERS}-1", seen
+    assert f"hang: rank 1 on {NOSSH_WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
+    assert re.search(r"attempt 2 \(1 of 1 failures used", seen["summary"]), seen
+    print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
+          f"{seen['summary']}")
+    stop_endless_job(namespace)
 
 
 def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resumes(namespace, shared_claim):
@@ -423,6 +510,11 @@ def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_templa
     # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
     install(namespace, steps=100000, action="upgrade", launcher={"scaleDownWorkers": False},
             worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
+    # The pre-upgrade config check ran (and passed: Helm deleted it) while the first launcher's run held the workers.
+    check = f"involvedObject.name={RELEASE}-deepspeed-training-config-check"
+    events = kubectl("get", "events", "--field-selector", check, "-o", "jsonpath={.items[*].reason}",
+                     namespace=namespace).split()
+    assert events.count("Completed") == 2, events  # the pre-install's and the pre-upgrade's
     second = f"{RELEASE}-deepspeed-training-launcher-2"
 
     def trained_on_after_resuming() -> str | None:

@@ -113,14 +113,15 @@ def pods_from_render(docs: list[dict]) -> list[Pod]:
                 name = f"{base}-{ordinal}"
                 fqdn = f"{name}.{doc['spec']['serviceName']}.{namespace}.svc.cluster.local"
                 pods.append(Pod(name, "worker", name, spec["containers"][0], spec["volumes"], uid, gid, fqdn,
-                                labels=labels))
+                                labels={**labels, "apps.kubernetes.io/pod-index": str(ordinal)}))
         elif doc["spec"].get("completionMode") == "Indexed":
             component = doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
             for index in range(doc["spec"]["completions"]):
                 name = f"{base}-{index}"
                 fqdn = f"{name}.{spec['subdomain']}.{namespace}.svc.cluster.local"
                 pods.append(Pod(name, component, name, spec["containers"][0], spec["volumes"], uid, gid, fqdn,
-                                controller_env={"JOB_COMPLETION_INDEX": str(index)}, labels=labels))
+                                controller_env={"JOB_COMPLETION_INDEX": str(index)},
+                                labels={**labels, "batch.kubernetes.io/job-completion-index": str(index)}))
         else:  # the launcher, or the config check (a hook Job, which Helm runs before the others)
             name = f"{base}-{uuid.uuid4().hex[:5]}"
             component = labels.get("app.kubernetes.io/component", "launcher")
@@ -192,6 +193,7 @@ def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> di
             target.mkdir(parents=True, exist_ok=True)
             for item in items:
                 path = target / item["path"]
+                path.parent.mkdir(parents=True, exist_ok=True)  # an item's path may name a subdirectory
                 value = data[item["key"]]
                 path.write_bytes(value if isinstance(value, bytes) else value.encode())
                 os.chown(path, 0, pod.gid)

@@ -72,6 +72,12 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         # Found within the budget (the last step came before the stop), and every rank placed.
         assert detected_at - stopped_at < STEP_BUDGET_S + 15, log[-3000:]
         assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
+        # The job's verdict, from both hosts' reports: the stopped rank on the second host, not the first host's rank
+        # that waits for it in a collective (what the progress ConfigMap showed before).
+        [cause] = [json.loads(p.read_text()) for p in (ckpt / "attempts").glob("*/0001/cause.json")]
+        assert cause["culprit"] == f"rank 1 on {workers[1].hostname}", cause
+        assert f"hang: rank 1 on {workers[1].hostname} is the likely culprit (its process is stopped, after step " \
+               in cause["reason"] and f"(rank 0 on {workers[0].hostname})" in cause["reason"], cause
         # Rank 0's flight recorder (torch's, served from a thread while the main thread waits): the collective it
         # waits in has not completed. The stopped rank cannot answer. Which collective depends on where in its step
         # the stop landed (ZeRO 2's gradient all_reduce most of the time, its parameter all_gather at times).
@@ -128,6 +134,11 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: .*; last recorded "
                             r"collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log0)
         assert waiting is None or waiting[2] != culprit[2] or int(waiting[1]) == int(culprit[1]) + 1, log0[-3000:]
+        # The job's verdict, from both workers' reports at the start barrier: the blocked rank on the second host.
+        [cause] = [json.loads(p.read_text()) for p in (ckpt / "attempts").glob("*/0001/cause.json")]
+        assert cause["culprit"] == f"rank 1 on {worker1.hostname}", cause
+        assert "is the likely culprit (it is stuck outside any collective: in read_the_stuck_mount" in \
+            cause["reason"], cause
         # The attempt was retried in the same pods, from the last complete checkpoint, to the end.
         assert "starting the run, attempt 2 (1 of 1 failures used, 0 preemptions)" in log0
         assert "running (run-0002-" in log1

@@ -3,17 +3,19 @@ of different attempts (a rank of a new attempt would otherwise join the rendezvo
 the failed one). A worker reaches the barrier only when its own ranks are gone; worker 0 serves it only
 between runs, so when everyone has joined, every rank of the previous run is gone.
 
-Worker 0 also owns the job's ledger of attempts (attempts.py): when everyone is here it begins the next attempt,
-or, when the job's failure budget is spent, ends every worker.
+Worker 0 also owns the job's ledger of attempts (attempts.py): when everyone is here it records why the last
+attempt ended from every worker's hang report (each brings its own, if its watchdog found the last run hung), then
+begins the next attempt, or, when the job's failure budget is spent, ends every worker.
 
 Usage: gang-barrier.py INDEX PORT TIMEOUT_SECONDS HOST...   (the hostfile's hosts, worker 0 first)
-Worker 0 listens on PORT; the others connect, send "JOIN <index>" and wait for "GO KEY=VALUE...": the attempt's
-env (attempts.ENV_KEYS: its name DS_RUN_ID, for the hang watchdog's diagnostics/<run>, its number and budget
-used), which every worker writes to DS_RANK_STATE_DIR/attempt.env for its ranks; or for "END": the budget is
+Worker 0 listens on PORT; the others connect, send "JOIN <index> [<hang report JSON>]" and wait for "GO KEY=VALUE...":
+the attempt's env (attempts.ENV_KEYS: its name DS_RUN_ID, for the hang watchdog's diagnostics/<run>, its number and
+budget used), which every worker writes to the state directory's attempt.env for its ranks; or for "END": the budget is
 spent. Exits 0 when all workers met, attempts.BUDGET_SPENT after END, 1 at the deadline naming the workers
 still missing. Standard library only: it runs before every attempt.
 """
 
+import json
 import os
 import re
 import select
@@ -23,8 +25,10 @@ import time
 from pathlib import Path
 
 import attempts  # beside this script
+import podstate  # the chart's copy of train/podstate.py (attempts.py put it on the path)
 
 LOG_EVERY_S = 5
+LINE_BYTES = podstate.MAX_RECORD_BYTES + 64  # a JOIN line, with its hang report
 RETRY_S = 0.25  # a refused connection costs nothing; the run starts as soon as worker 0 listens
 
 
@@ -37,7 +41,21 @@ def record_attempt(env: dict[str, str]) -> None:
     directory = os.environ.get("DS_RANK_STATE_DIR")
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        Path(directory, "attempt.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        Path(directory, podstate.ATTEMPT_ENV_FILE).write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+
+
+def last_report() -> dict | None:
+    """This worker's hang report of its last run (the watchdog's), if it found that run hung."""
+    directory = os.environ.get(podstate.STATE_DIR_ENV)
+    if not directory:
+        return None
+    state = podstate.StateDir(Path(directory))
+    found = state.read(podstate.ATTEMPT_ENV_FILE, 4096)
+    env = dict(line.split("=", 1) for line in (found[0].decode(errors="replace") if found else "").splitlines()
+               if "=" in line)
+    run = env.get(podstate.ATTEMPT_ENV["run"], "")
+    report = state.read_json(podstate.HANG_JSON.format(run=run)) if podstate.parse_run_id(run) else None
+    return podstate.valid_hang_report(report[0]) if report else None
 
 
 def parse_go(words: list[str]) -> dict[str, str] | None:
@@ -61,6 +79,7 @@ def listen(port: int) -> socket.socket:
 def serve(port: int, deadline: float, hosts: list[str]) -> int:
     waiting = {i: host for i, host in enumerate(hosts) if i != 0}
     joined: dict[int, socket.socket] = {}
+    reports: dict[int, dict] = {}  # the workers' hang reports of the last run
     partial: dict[socket.socket, bytes] = {}
     server = listen(port)
     log(0, f"waiting up to {deadline - time.monotonic():.0f}s for {len(waiting)} workers on port {port}")
@@ -69,6 +88,7 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
         while True:
             missing = sorted(set(waiting) - set(joined))
             if not missing:
+                attempts.record_reports([r for r in (last_report(), *reports.values()) if r])
                 env, line = attempts.begin()
                 if env is not None:
                     record_attempt(env)
@@ -102,19 +122,25 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
                     partial[conn] = b""
                     continue
                 try:
-                    data = sock.recv(256)
+                    data = sock.recv(65536)
                 except OSError:
                     data = b""
                 if sock in partial:
                     partial[sock] += data
-                    if data and b"\n" not in partial[sock] and len(partial[sock]) < 256:
+                    if data and b"\n" not in partial[sock] and len(partial[sock]) < LINE_BYTES:
                         continue
-                    line = partial.pop(sock).split(b"\n")[0].decode(errors="replace").split()
-                    index = int(line[1]) if len(line) == 2 and line[0] == "JOIN" and line[1].isdigit() else -1
+                    line = partial.pop(sock).split(b"\n")[0].decode(errors="replace").split(" ", 2)
+                    index = int(line[1]) if len(line) >= 2 and line[0] == "JOIN" and line[1].isdigit() else -1
                     if index in waiting:
                         if index in joined:
                             joined[index].close()  # a reconnect of the same worker
                         joined[index] = sock
+                        try:
+                            report = podstate.valid_hang_report(json.loads(line[2])) if len(line) == 3 else None
+                        except ValueError:
+                            report = None
+                        if report:
+                            reports[index] = report
                     else:
                         sock.close()
                 else:  # a joined worker sent more or hung up: it is gone (its pod stopped)
@@ -130,10 +156,12 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
 
 def join(index: int, port: int, deadline: float, host0: str) -> int:
     next_log, reason = time.monotonic() + LOG_EVERY_S, "not tried yet"
+    report = last_report()
+    hello = f"JOIN {index}" + (f" {json.dumps(report, separators=(',', ':'))}" if report else "") + "\n"
     while time.monotonic() < deadline:
         try:
             with socket.create_connection((host0, port), timeout=2) as conn:
-                conn.sendall(f"JOIN {index}\n".encode())
+                conn.sendall(hello.encode())
                 conn.settimeout(max(1.0, deadline - time.monotonic()))
                 answer = b""
                 while not answer.endswith(b"\n") and len(answer) < 4096:

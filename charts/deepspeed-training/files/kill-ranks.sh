@@ -10,6 +10,8 @@
 # peers that are gone): it is killed then. Ranks that acknowledged (`stopping`) or are `saving`, and programs
 # that report nothing, get the full grace.
 set -uo pipefail
+# shellcheck source=generated/podstate.sh
+source "$(dirname "${BASH_SOURCE[0]}")/generated/podstate.sh"  # the run-state protocol's words (train/podstate.py)
 grace="${DS_KILL_GRACE_SECONDS:?set by the chart (worker.terminationGracePeriodSeconds)}"
 state_dir="${DS_RANK_STATE_DIR:-}"
 ack_seconds=10
@@ -43,8 +45,9 @@ kill_where() {
   kill -KILL $doomed 2> /dev/null
 }
 
-kill_where starting "no step finished since it started, nothing to save"
-kill_where restoring "still loading its checkpoint, nothing to save"
+for word in $NOTHING_TO_SAVE_STATES; do
+  kill_where "$word" "no step finished since it started ($word), nothing to save"
+done
 # Only the ranks: deepspeed.launcher.launch reaps them and exits, and would SIGKILL them itself after 30 s.
 # shellcheck disable=SC2086
 kill -TERM ${ranks:-$launchers} 2> /dev/null
@@ -52,7 +55,7 @@ kill -TERM ${ranks:-$launchers} 2> /dev/null
 for ((tick = 0; tick < grace * 10; tick++)); do
   # shellcheck disable=SC2086
   kill -0 $targets 2> /dev/null || exit 0
-  ((tick == ack_seconds * 10)) && kill_where training "no answer to SIGTERM in ${ack_seconds}s: stuck in a collective, cannot save"
+  ((tick == ack_seconds * 10)) && kill_where "$STATE_TRAINING" "no answer to SIGTERM in ${ack_seconds}s: stuck in a collective, cannot save"
   sleep 0.1
 done
 log "still running after ${grace}s, sending SIGKILL"

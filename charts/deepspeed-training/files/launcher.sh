@@ -8,6 +8,8 @@
 set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { echo "launcher: $*"; }
+# shellcheck source=generated/podstate.sh
+source "$scripts_dir/generated/podstate.sh"  # the run-state protocol's names (train/podstate.py)
 # shellcheck source=run-child.sh
 source "$scripts_dir/run-child.sh"  # run_in_background, $child
 stopping=""
@@ -22,7 +24,7 @@ stop() {
   stopping=1
   log "SIGTERM: stopping the DeepSpeed run"
   python3 "$scripts_dir/attempts.py" stopped || true
-  [[ -n "$child" ]] || exit 143
+  [[ -n "$child" ]] || exit "$EXIT_STOPPED"
   if [[ -n "$in_run" ]]; then
     pdsh -S -w "$hosts" "${kill_ranks[@]}" || true
   fi
@@ -47,7 +49,7 @@ while true; do
   # launcher pod's), in one SSH round trip per worker.
   run_in_background bash "$scripts_dir/wait-for-workers.sh" "$hostfile" "$DS_WAIT_TIMEOUT_SECONDS" 1 \
     "$(printf '%q ' "${kill_ranks[@]}")"
-  [[ -n "$stopping" ]] && exit 143
+  [[ -n "$stopping" ]] && exit "$EXIT_STOPPED"
   if ((rc != 0)); then
     python3 "$scripts_dir/attempts.py" end "$rc"
     exit "$rc"
@@ -62,8 +64,14 @@ while true; do
   in_run=""
   log "DeepSpeed exited with status $rc"
   if ((rc != 0)) && [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
-    # What the workers' watchdogs found, if this run ended in a hang (nothing otherwise).
-    pdsh -S -w "$hosts" cat "$DS_RANK_STATE_DIR/hang-$DS_RUN_ID.txt" 2> /dev/null || true
+    # What the workers' watchdogs found, if this run ended in a hang (nothing otherwise): the reports to this log,
+    # their records to the ledger, which names the culprit from all of them (attempts.py end).
+    # shellcheck disable=SC2059 # the patterns are the protocol's
+    printf -v hang_text "$HANG_TEXT_PATTERN" "$DS_RUN_ID"
+    # shellcheck disable=SC2059
+    printf -v hang_json "$HANG_JSON_PATTERN" "$DS_RUN_ID"
+    pdsh -S -w "$hosts" cat "$DS_RANK_STATE_DIR/$hang_text" "$DS_RANK_STATE_DIR/$hang_json" 2> /dev/null \
+      | python3 "$scripts_dir/attempts.py" collect || true
   fi
   # DeepSpeed's tuner exits 0 also when every experiment failed: only its optimal config means it finished.
   if ((rc == 0)) && [[ -n "${DS_AUTOTUNING_RESULTS:-}" ]]; then

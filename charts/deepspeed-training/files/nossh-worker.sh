@@ -12,6 +12,8 @@ set -euo pipefail
 scripts_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 node_rank="${JOB_COMPLETION_INDEX:?set by the Job controller (completionMode: Indexed)}"
 log() { echo "worker $node_rank: $*"; }
+# shellcheck source=generated/podstate.sh
+source "$scripts_dir/generated/podstate.sh"  # the run-state protocol's names (train/podstate.py)
 # shellcheck source=run-child.sh
 source "$scripts_dir/run-child.sh"  # run_in_background, $child
 stopping=""
@@ -20,7 +22,7 @@ stopping=""
 # ranks): a failed kill must not end the script under set -e with 1 instead of 143.
 trap 'stopping=1; log "SIGTERM: stopping local ranks"; python3 "$scripts_dir/attempts.py" stopped || true
       bash "$scripts_dir/kill-ranks.sh" || true
-      if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null || true; else exit 143; fi' TERM INT
+      if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null || true; else exit "$EXIT_STOPPED"; fi' TERM INT
 
 if [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
   python3 "$scripts_dir/watchdog.py" &  # it exits with this script
@@ -29,10 +31,10 @@ mapfile -t hosts < <(bash "$scripts_dir/hosts.sh" "$DS_CONFIG_DIR/hostfile")
 while true; do
   run_in_background python3 "$scripts_dir/gang-barrier.py" "$node_rank" "$DS_BARRIER_PORT" \
     "$DS_WAIT_TIMEOUT_SECONDS" "${hosts[@]}"
-  [[ -n "$stopping" ]] && exit 143
+  [[ -n "$stopping" ]] && exit "$EXIT_STOPPED"
   ((rc == 0)) || exit "$rc"
   # The attempt's env, the same on every worker (worker 0 hands it out at the barrier): DS_RUN_ID, ...
-  attempt_env="$(cat "$DS_RANK_STATE_DIR/attempt.env")"
+  attempt_env="$(cat "$DS_RANK_STATE_DIR/$ATTEMPT_ENV_FILE")"
   export_attempt_env  # run-child.sh
   log "running ($DS_RUN_ID): $1 --node_rank=$node_rank ${*:2}"
   run_in_background "$1" "--node_rank=$node_rank" "${@:2}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sourced by launcher.sh and nossh-worker.sh, whose SIGTERM traps read and signal `$child` (and set `stopping`),
-# and which define `log` and `scripts_dir`.
+# and which define `log` and `scripts_dir` and source generated/podstate.sh (the protocol's exit statuses).
 # run_in_background CMD...: runs CMD so that a trapped SIGTERM is handled meanwhile; sets rc to its status.
 # shellcheck disable=SC2034 # child and rc are read by the sourcing script
 child=""
@@ -25,10 +25,10 @@ run_in_background() {
 retry_verdict() {
   verdict=retry
   if [[ -n "${stopping:-}" ]]; then
-    verdict=143
-  elif ((rc == 2)); then
-    log "status 2 is a configuration error (bad arguments or input files): not retried"
-    verdict=2
+    verdict=$EXIT_STOPPED
+  elif ((rc == EXIT_CONFIG_ERROR)); then
+    log "status $rc is a configuration error (bad arguments or input files): not retried"
+    verdict=$EXIT_CONFIG_ERROR
   fi
 }
 

@@ -13,13 +13,17 @@ registered inside the rank, writes <pid>.stacks; no ptrace needed) and for torch
 collectives it recorded (a write to the FIFO <pid>FR_REQUEST, which a thread of the rank answers with
 <pid>FR_DUMP: gloo and NCCL alike, when the chart set TORCH_FR_BUFFER_SIZE). The report says, per rank, whether it
 waits in a collective (then it waits for a peer) or where else it is (the likely culprit), or that the process
-is stopped and cannot answer. It goes to this pod's log, to DS_RANK_STATE_DIR/hang-<run>.txt (the launcher or
-the worker script prints it after the failed run) and, with every stack, to
-DS_CHECKPOINT_DIR/diagnostics/<run>/<host>.txt. Then the ranks get SIGKILL: DeepSpeed's launcher fails the run,
-and the launcher (ssh) or the workers (nossh) start it again from the last complete checkpoint, like a crash.
+is stopped and cannot answer. It goes to this pod's log, to the state directory's hang-<run>.txt (the launcher or
+the worker script prints it after the failed run) and hang-<run>.json (podstate.hang_report: how each rank was found
+and its last beat; the ledger's owner merges every host's into the job's verdict, naming the culprit) and, with every
+stack, to DS_CHECKPOINT_DIR/diagnostics/<run>/<host>.txt. Then the ranks get SIGKILL: DeepSpeed's launcher fails the
+run, and the launcher (ssh) or the workers (nossh) start it again from the last complete checkpoint, like a crash.
 The peers on other pods stop progressing too, so their watchdogs report and end them the same way.
 
-Usage: watchdog.py   (runs until its parent exits; standard library only)
+The protocol (states, the budgets' multiple, the dump signal, file names) is train/podstate.py's, from the
+chart's copy.
+
+Usage: watchdog.py   (runs until its parent exits; standard library and the protocol's copy)
 """
 
 import json
@@ -31,13 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-# The contract of train/rankstate.py (tests/test_pod_scripts.py checks that both say the same).
-STATES = ("starting", "restoring", "training", "saving", "stopping")
-CHECKPOINT_STATES = ("restoring", "saving")
-STEP_MULTIPLE = 10
-DUMP_SIGNAL = signal.SIGUSR1
-FR_REQUEST = ".fr-request"
-FR_DUMP = ".fr.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "generated"))  # the chart's copy of train/podstate.py
+import podstate  # noqa: E402
+
+STATES, CHECKPOINT_STATES, STEP_MULTIPLE = podstate.STATES, podstate.CHECKPOINT_STATES, podstate.STEP_MULTIPLE
+DUMP_SIGNAL, FR_REQUEST, FR_DUMP = podstate.DUMP_SIGNAL, podstate.FR_REQUEST_SUFFIX, podstate.FR_DUMP_SUFFIX
 
 POLL_S = 1.0
 DUMP_WAIT_S = 3.0
@@ -204,6 +206,7 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
     recorders = dump_flight_recorders(ranks, state_dir)
     stacks = dump_stacks(ranks, state_dir)
     run = re.sub(r"[^A-Za-z0-9_.-]", "_", next((r.env["DS_RUN_ID"] for r in ranks if r.env.get("DS_RUN_ID")), "run"))
+    found = []  # podstate.hang_rank of every rank: what the ledger's owner merges
     lines = [f"hang on {host} ({run}): " + "; ".join(
         f"{rank.name()} made no progress for {quiet:.0f}s (budget {budget:.0f}s, {rank.state}"
         + (f" after step {rank.step}" if rank.step is not None else "") + ")" for rank, quiet, budget in hung)]
@@ -211,19 +214,26 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
         proc = process_state(rank.pid)
         frames = main_thread(stacks.get(rank.pid, ""))
         if proc.startswith("T"):
-            verdict = f"process stopped ({proc}): it cannot run, nor answer for its stack; likely the culprit"
+            kind, where = "stopped", f"process stopped ({proc})"
+            verdict = f"{where}: it cannot run, nor answer for its stack; likely the culprit"
         elif frames:
             waits, where = describe(frames)
+            kind = "in-collective" if waits else "outside-collective"
             verdict = where + ("" if waits else "; likely the culprit: its peers wait for it")
         else:
-            verdict = f"no stack (process {proc}; the program did not register train.rankstate's stack dump)"
+            kind, where = "unresponsive", f"no stack (process {proc})"
+            verdict = f"{where}; the program did not register train.rankstate's stack dump"
         if rank.pid in recorders:
             verdict += f"; {last_collective(recorders[rank.pid])}"
         lines.append(f"  {rank.name()} on {host}: {verdict}")
+        found.append(podstate.hang_rank(rank.env.get("RANK", -1), host, kind, rank.mtime, rank.step, rank.state,
+                                        where))
     text = "\n".join(lines)
     for line in lines:
         log(line.strip())
-    (state_dir / f"hang-{run}.txt").write_text(text + "\n")
+    (state_dir / podstate.HANG_TEXT.format(run=run)).write_text(text + "\n")
+    podstate.atomic_write(state_dir / podstate.HANG_JSON.format(run=run),
+                          json.dumps(podstate.hang_report(host, run, time.time(), found)) + "\n")
     checkpoints = os.environ.get("DS_CHECKPOINT_DIR", "")
     if checkpoints and os.access(checkpoints, os.W_OK):
         folder = Path(checkpoints) / "diagnostics" / run
@@ -242,7 +252,7 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
 
 
 def main() -> int:
-    state_dir = Path(os.environ["DS_RANK_STATE_DIR"])
+    state_dir = Path(os.environ[podstate.STATE_DIR_ENV])
     budgets = {"starting": float(os.environ["DS_HANG_STARTUP_SECONDS"]),
                "training": float(os.environ["DS_HANG_STEP_SECONDS"]),
                "checkpoint": float(os.environ["DS_HANG_CHECKPOINT_SECONDS"])}

@@ -253,6 +253,23 @@ kueue.x-k8s.io/podset-{{ .mode }}-topology: {{ .level | quote }}
 {{- end }}
 {{- end }}
 
+{{/* The pods' scripts: ConfigMap key -> path under files/, which is also their path under scriptsDir (the volume's
+items), so that a script finds its neighbours (generated/podstate.py, the protocol's copy) in the pod as in the
+chart. */}}
+{{- define "deepspeed-training.podScripts" -}}
+{{- $paths := list "hosts.sh" "kill-ranks.sh" "run-child.sh" "watchdog.py" "attempts.py" "sidecar.py" "generated/podstate.py" "generated/podstate.sh" }}
+{{- if eq .Values.launchMode "ssh" }}
+{{- $paths = concat $paths (list "ssh-setup.sh" "worker.sh" "sshd-listening.sh" "launcher.sh" "wait-for-workers.sh") }}
+{{- else }}
+{{- $paths = concat $paths (list "nossh-worker.sh" "gang-barrier.py") }}
+{{- end }}
+{{- $scripts := dict }}
+{{- range $paths }}
+{{- $_ := set $scripts (base .) . }}
+{{- end }}
+{{- toJson $scripts }}
+{{- end }}
+
 {{/* Volumes every pod mounts: config, scripts, SSH keys (ssh mode), home and /tmp. */}}
 {{- define "deepspeed-training.commonVolumes" -}}
 - name: config
@@ -262,6 +279,11 @@ kueue.x-k8s.io/podset-{{ .mode }}-topology: {{ .level | quote }}
   configMap:
     name: {{ printf "%s-scripts" (include "deepspeed-training.fullname" .) | quote }}
     defaultMode: 0555
+    items:
+      {{- range $key, $path := include "deepspeed-training.podScripts" . | fromJson }}
+      - key: {{ $key | quote }}
+        path: {{ $path | quote }}
+      {{- end }}
 {{- if eq .Values.launchMode "ssh" }}
 - name: ssh-keys
   secret:
@@ -563,8 +585,14 @@ this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion inde
 {{- toJson (concat $command .Values.deepspeed.runnerArgs (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
 {{- end }}
 
+{{/* The run-state protocol's constants the templates need: files/generated/podstate.json, from train/podstate.py. */}}
+{{- define "deepspeed-training.podstate" -}}
+{{- .Files.Get "files/generated/podstate.json" }}
+{{- end }}
+
 {{/* Job settings shared by the launcher Job (ssh) and the workers' Job (nossh). */}}
 {{- define "deepspeed-training.jobPolicy" -}}
+{{- $podstate := include "deepspeed-training.podstate" .root | fromJson }}
 backoffLimit: {{ .root.Values.job.backoffLimit | int }}
 # A new pod starts only once the failed one is gone, so its clean-up cannot hit the next attempt's ranks.
 podReplacementPolicy: Failed
@@ -582,14 +610,14 @@ podFailurePolicy:
       onExitCodes:
         containerName: {{ .container | quote }}
         operator: In
-        values: [2, 3]
+        values: [{{ $podstate.exitConfigError | int }}, {{ $podstate.exitBudgetSpent | int }}]
     # 143: the pod stopped on SIGTERM (a deletion, an upgrade, a preemption without a DisruptionTarget): the
     # pod scripts marked its attempt a preemption, and neither budget is spent.
     - action: Ignore
       onExitCodes:
         containerName: {{ .container | quote }}
         operator: In
-        values: [143]
+        values: [{{ $podstate.exitStopped | int }}]
 {{- with .root.Values.job.activeDeadlineSeconds }}
 activeDeadlineSeconds: {{ . | int }}
 {{- end }}

@@ -1,10 +1,11 @@
 {{/*
-The progress sidecar (files/progress.py), in every pod of the release when progress.enabled: a native sidecar
-(an init container that keeps running), so that a Job's pod still ends with its main container. It runs no
-program code, in the platform's image (progress.image), and it is the only container that holds a token: the
-release's own ServiceAccount's, from a projected volume of its own (every pod keeps automountServiceAccountToken
-false, and the main containers run the tenant's image). With it the sidecar patches the progress ConfigMap and, in
-the launcher pod of launchMode ssh, scales the workers to 0 after a successful run (launcher.scaleDownWorkers).
+The progress sidecar (files/sidecar.py), in every pod of the release when progress.enabled: a native sidecar (an
+init container that keeps running), so that a Job's pod still ends with its main container. It runs no program
+code, in the platform's image (progress.image), and it is the only container that holds a token: the release's own
+ServiceAccount's, from a projected volume of its own (every pod keeps automountServiceAccountToken false, and the
+main containers run the tenant's image). With it the sidecar of node rank 0 writes rank 0's progress into the
+progress ConfigMap, the ledger's owner's (ssh: the launcher; nossh: worker 0) writes the job's record, and in the
+launcher pod of launchMode ssh it scales the workers to 0 after a successful run (launcher.scaleDownWorkers).
 Called with (dict "root" $ "component" "worker"|"launcher").
 */}}
 {{- define "deepspeed-training.progressName" -}}
@@ -15,6 +16,12 @@ Called with (dict "root" $ "component" "worker"|"launcher").
 ServiceAccount (serviceAccount.create), since the chart binds its Roles to no other account (rbacSubject). */}}
 {{- define "deepspeed-training.progressPublishes" -}}
 {{- if and .Values.progress.enabled .Values.serviceAccount.create }}true{{- end }}
+{{- end }}
+
+{{/* The most samples one pod's sidecar serves (files/sidecar.py): three per rank of the pod, and 40 for rank 0's
+progress, the goodput buckets and the job's record (29 today). */}}
+{{- define "deepspeed-training.metricsSampleLimit" -}}
+{{- add 40 (mul 3 (int .Values.worker.gpusPerWorker)) }}
 {{- end }}
 
 {{/* "true" when the launcher pod's sidecar scales the workers down after success (checked in _validate.tpl). */}}
@@ -32,9 +39,18 @@ initContainers:
     imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
     restartPolicy: Always
     # -I: no PYTHONPATH, PYTHONSTARTUP or user site-packages reach the process that holds the token.
-    command: ["python3", "-I", "{{ include "deepspeed-training.scriptsDir" $root }}/progress.py",
+    {{- $nossh := eq $root.Values.launchMode "nossh" }}
+    command: ["python3", "-I", "{{ include "deepspeed-training.scriptsDir" $root }}/sidecar.py",
               {{- if include "deepspeed-training.progressPublishes" $root }}
               "--configmap", {{ include "deepspeed-training.progressName" $root | quote }},
+              {{- end }}
+              {{- /* Node rank 0 holds rank 0; the ledger is the launcher's (ssh) or worker 0's (nossh). */}}
+              {{- if eq $.component "worker" }}
+              "--progress",{{ if $nossh }} "--job",{{ end }}
+              "--world-size", {{ mul (int $root.Values.worker.replicas) (int $root.Values.worker.gpusPerWorker) | quote }},
+              "--ranks-per-pod", {{ $root.Values.worker.gpusPerWorker | int | quote }},
+              {{- else }}
+              "--job",
               {{- end }}
               {{- if and (eq $.component "launcher") (include "deepspeed-training.scalesDownWorkers" $root) }}
               "--scale-down", {{ include "deepspeed-training.workerName" $root | quote }},
@@ -47,12 +63,17 @@ initContainers:
     env:
       - name: DS_RANK_STATE_DIR
         value: {{ include "deepspeed-training.rankStateDir" $root | quote }}
-      - name: DS_RELEASE
-        value: {{ include "deepspeed-training.checkpointSubPath" $root | quote }}
       - name: POD_NAMESPACE
         valueFrom:
           fieldRef:
             fieldPath: metadata.namespace
+      {{- if eq $.component "worker" }}
+      # The pod's node rank (its index, which its controller labels it with): node rank 0's sidecar holds rank 0.
+      - name: DS_NODE_RANK
+        valueFrom:
+          fieldRef:
+            fieldPath: {{ ternary "metadata.labels['batch.kubernetes.io/job-completion-index']" "metadata.labels['apps.kubernetes.io/pod-index']" $nossh | quote }}
+      {{- end }}
       - name: PYTHONUNBUFFERED
         value: "1"
     {{- with .resources }}

@@ -1,0 +1,329 @@
+"""The pods' run-time protocol: one owner for every file, word, env name and exit status that the ranks (the train
+package in the tenant's image, or any program through train/rankstate.py) and the chart's pod scripts (in the
+chart's ConfigMap) exchange. Standard library only: the pod scripts run it under `python3 -I`, from a copy that
+scripts/chart_data.py writes into the chart (files/generated/podstate.py, the same bytes) and keeps from going stale
+(its --check, in the tests); the bash scripts source files/generated/podstate.sh, generated from the constants here.
+The image and the chart ship apart, so the two sides may speak different versions: every record carries VERSION,
+and a pair whose versions differ is refused before training, naming both (check_version).
+
+Files in the pod's state directory (STATE_DIR_ENV, the pod's /tmp emptyDir, shared by its containers), each with
+its writer -> its readers: its format:
+
+- `<pid>` (RANK_FILE): every rank (rankstate.report/beat) -> watchdog.py, kill-ranks.sh, the sidecar:
+  `<state> rank=R [step=N] [step_s=S]`; its mtime is the heartbeat.
+- `<pid>.stacks`: the rank, on DUMP_SIGNAL (faulthandler) -> watchdog.py: every thread's Python stack.
+- `<pid>.fr-request`, `<pid>.fr.json`: watchdog.py (a write to the FIFO), the rank (the dump) -> watchdog.py: torch's
+  flight recorder, JSON.
+- `progress.json` (PROGRESS): rank 0 (rankstate.publish) -> the sidecar: JSON: state, step, steps, loss, ..., goodput
+  (GOODPUT_BUCKETS, GOODPUT_TOTALS), the attempt counter (COUNTER_KEYS), `time`.
+- `verdict.json` (VERDICT): the ledger's owner (attempts.py; ssh: the launcher, nossh: worker 0) -> the sidecar: JSON:
+  `v`, state (LEDGER_STATES), reason, culprit, the attempt counter, `time`.
+- `hang-<run>.txt`, `hang-<run>.json` (HANG_TEXT, HANG_JSON): watchdog.py -> the pod's log; the ledger's owner, which
+  collects every host's JSON (ssh: pdsh; nossh: the start barrier) into `hosts/` (HOST_REPORTS) and merges them
+  (merge_hang_reports): one HangReport (hang_report).
+- `attempt.env` (ATTEMPT_ENV_FILE): gang-barrier.py (nossh) -> nossh-worker.sh: KEY=VALUE lines of ATTEMPT_ENV.
+
+Every reader in the sidecar (the only container with a token) reads these through StateDir: no symlink is followed,
+only regular files are read, and every read is bounded. What the tenant's containers write there is untrusted data.
+
+Env: STATE_DIR_ENV; the attempt's (ATTEMPT_ENV: attempts.py gives them to every rank); PROTOCOL_ENV, which the chart
+sets to the chart's VERSION. Exit statuses: EXIT_CONFIG_ERROR (2: a configuration error, never retried),
+EXIT_BUDGET_SPENT (3: the job's failure budget is spent), EXIT_STOPPED (143: stopped by SIGTERM, a preemption).
+Run IDs: run_id(attempt, job) / parse_run_id(run).
+"""
+
+import json
+import os
+import re
+import signal
+import stat
+import tempfile
+from pathlib import Path
+
+VERSION = 1  # bump it when a reader of one version would misread the files of another
+
+# ---- a rank's state (the first word of its <pid> file)
+STATES = ("starting", "restoring", "training", "saving", "stopping")
+CHECKPOINT_STATES = ("restoring", "saving")  # judged by the checkpoint budget, not the step budget
+NOTHING_TO_SAVE_STATES = ("starting", "restoring")  # no step since the rank started: a stop kills them at once
+UNJUDGED_STATES = ("stopping",)  # SIGTERM reached the rank's handler: the pod's grace period bounds it
+STEP_MULTIPLE = 10  # a rank's step budget is at least this many of its own recent step times
+DUMP_SIGNAL = signal.SIGUSR1  # faulthandler writes every thread's stack to <pid>.stacks
+
+# ---- the job's state (the ledger's verdict, attempts.py), and what the sidecar shows before it says anything
+LEDGER_STATES = ("starting", "failed", "stopping", "stopped", "done")
+JOB_STATES = ("pending", *STATES, *(s for s in LEDGER_STATES if s not in STATES))
+
+# ---- goodput: where the job's wall time went (train/goodput.py), published by rank 0 under these keys
+GOODPUT_BUCKETS = ("productive", "startup", "restore", "save", "recomputation", "hung")
+GOODPUT_TOTALS = ("wall", "unaccounted")
+
+# ---- files in the state directory
+STATE_DIR_ENV = "DS_RANK_STATE_DIR"
+STACKS_SUFFIX = ".stacks"
+FR_REQUEST_SUFFIX = ".fr-request"
+FR_DUMP_SUFFIX = ".fr.json"
+PROGRESS = "progress.json"
+VERDICT = "verdict.json"
+HANG_TEXT = "hang-{run}.txt"
+HANG_JSON = "hang-{run}.json"
+HOST_REPORTS = "hosts"
+ATTEMPT_ENV_FILE = "attempt.env"
+RANK_FILE = re.compile(r"[0-9]{1,10}")  # a rank's <pid>
+
+# ---- the attempt, for every rank (attempts.py writes them; published in progress.json and verdict.json under the
+# left-hand names)
+ATTEMPT_ENV = {"run": "DS_RUN_ID", "attempt_dir": "DS_ATTEMPT_DIR", "attempt": "DS_ATTEMPT",
+               "failures": "DS_FAILURES", "failure_budget": "DS_FAILURE_BUDGET", "preemptions": "DS_PREEMPTIONS",
+               "begun": "DS_ATTEMPT_BEGUN"}
+COUNTER_KEYS = ("attempt", "failures", "failure_budget", "preemptions", "run")  # published with every record
+PROTOCOL_ENV = "DS_PROTOCOL_VERSION"
+
+# ---- exit statuses
+EXIT_CONFIG_ERROR = 2
+EXIT_BUDGET_SPENT = 3
+EXIT_STOPPED = 143
+
+# ---- bounds of what a reader takes in
+MAX_RECORD_BYTES = 64 * 1024  # progress.json, verdict.json, a HangReport
+MAX_LINE_BYTES = 1024  # a rank's state line
+MAX_NAMES = 4096  # entries of the state directory a reader looks at
+MAX_TEXT = 400  # characters of one published string
+
+
+def run_id(attempt: int, job: str) -> str:
+    """The attempt's name, unique across the Jobs of a release: `run-0003-1a2b3c4d`."""
+    return f"run-{attempt:04d}-{re.sub(r'[^A-Za-z0-9]', '', job)[:8] or 'local'}"
+
+
+def parse_run_id(run: str) -> tuple[int, str] | None:
+    """(attempt, job) of a run ID, or None."""
+    match = re.fullmatch(r"run-(\d{4,})-([A-Za-z0-9]{1,8})", run or "")
+    return (int(match[1]), match[2]) if match else None
+
+
+class VersionSkew(Exception):
+    """The two sides of the protocol speak different versions."""
+
+
+def check_version(chart_version: str | int | None, where: str) -> None:
+    """Refuses a chart whose protocol VERSION (PROTOCOL_ENV) differs from this side's; no env: outside the chart."""
+    if chart_version in (None, ""):
+        return
+    if str(chart_version) != str(VERSION):
+        raise VersionSkew(f"{where}: the chart's pod scripts speak run-state protocol version {chart_version}, this "
+                          f"image's train package version {VERSION}: upgrade the chart and the image together (or "
+                          "pin the image the chart was released with)")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replaces `path` whole: a reader sees the old file or the new one, never half of either."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def clean(value, limit: int = MAX_TEXT) -> str:
+    """A string from the other side, for a person or an API object: one line, no control, format or separator
+    characters, at most `limit` characters."""
+    text = re.sub(r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]+", " ", str(value))
+    return text[:limit]
+
+
+def number(value) -> float | None:
+    """A finite number from the other side, or None (a program's own writer may put anything there)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        return None
+    return result if result == result and abs(result) != float("inf") else None
+
+
+class StateDir:
+    """A state directory read by a process that must not trust it (the sidecar holds the release's token; the
+    tenant's containers write here): the directory is opened without following a symlink in its last component
+    (its parent, the pod's /tmp, is a mount point the tenant cannot replace), each file relative to it without
+    following symlinks and without blocking (a FIFO or device answers at once, and is refused), only regular files
+    are read, each read is bounded, and nothing raises: an entry that cannot be read safely is as if absent."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def _open(self) -> int | None:
+        try:
+            parent = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return os.open(self.path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           dir_fd=parent)
+        except OSError:
+            return None
+        finally:
+            os.close(parent)
+
+    def names(self, pattern: re.Pattern | None = None, limit: int = MAX_NAMES) -> list[str]:
+        """The entries' names (those `pattern` matches whole), at most `limit` of them, sorted."""
+        fd = self._open()
+        if fd is None:
+            return []
+        found = []
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if pattern is None or pattern.fullmatch(entry.name):
+                        found.append(entry.name)
+                        if len(found) >= limit:
+                            break
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        return sorted(found)
+
+    def read(self, name: str, limit: int = MAX_RECORD_BYTES) -> tuple[bytes, float] | None:
+        """(up to `limit` bytes, mtime) of the regular file `name`, or None."""
+        if "/" in name or name in ("", ".", ".."):
+            return None
+        fd = self._open()
+        if fd is None:
+            return None
+        try:
+            try:
+                file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                               dir_fd=fd)
+            except OSError:
+                return None
+            try:
+                info = os.fstat(file)
+                if not stat.S_ISREG(info.st_mode):
+                    return None
+                chunks, left = [], limit
+                while left > 0:
+                    chunk = os.read(file, min(left, 65536))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                return b"".join(chunks), info.st_mtime
+            except OSError:
+                return None
+            finally:
+                os.close(file)
+        finally:
+            os.close(fd)
+
+    def read_json(self, name: str, limit: int = MAX_RECORD_BYTES) -> tuple[dict, float] | None:
+        """(the JSON object in `name`, mtime), or None: a larger file, another type or bad JSON is refused whole."""
+        found = self.read(name, limit + 1)
+        if found is None or len(found[0]) > limit:
+            return None
+        try:
+            value = json.loads(found[0].decode("utf-8", "replace"))
+        except ValueError:
+            return None
+        return (value, found[1]) if isinstance(value, dict) else None
+
+    def mtime(self, name: str) -> float | None:
+        fd = self._open()
+        if fd is None:
+            return None
+        try:
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return info.st_mtime if stat.S_ISREG(info.st_mode) else None
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def subdir(self, name: str) -> "StateDir":
+        return StateDir(self.path / name)
+
+
+# ---- hang reports: what each host's watchdog found, and the job's verdict from all of them
+
+# How a rank of a hung attempt was found. The first three are evidence against the rank itself (it cannot run,
+# did not answer, or is stuck outside any collective); the last says it waits for a peer.
+KINDS = ("stopped", "unresponsive", "outside-collective", "in-collective")
+
+
+def hang_rank(rank: int | str, host: str, kind: str, last_beat: float, step: int | None, state: str,
+              where: str) -> dict:
+    return {"rank": int(rank) if str(rank).isdigit() else -1, "host": clean(host, 253), "kind": kind,
+            "last_beat": last_beat, "step": step, "state": clean(state, 32), "where": clean(where)}
+
+
+def hang_report(host: str, run: str, time_: float, ranks: list[dict]) -> dict:
+    """What one host's watchdog found: a HangReport (JSON: v, host, run, time, ranks)."""
+    return {"v": VERSION, "host": clean(host, 253), "run": clean(run, 64), "time": time_, "ranks": ranks}
+
+
+def valid_hang_report(report) -> dict | None:
+    """`report` typed and bounded (it comes from a tenant's container), or None."""
+    if not isinstance(report, dict) or report.get("v") != VERSION or not isinstance(report.get("ranks"), list):
+        return None
+    ranks = []
+    for rank in report["ranks"][:64]:
+        if not isinstance(rank, dict) or rank.get("kind") not in KINDS or number(rank.get("last_beat")) is None:
+            continue
+        step = rank.get("step") if isinstance(rank.get("step"), int) and not isinstance(rank.get("step"), bool) \
+            else None
+        ranks.append(hang_rank(rank.get("rank", -1), str(rank.get("host", "")), rank["kind"],
+                               number(rank["last_beat"]), step, str(rank.get("state", "")),
+                               str(rank.get("where", ""))))
+    if not ranks:
+        return None
+    return hang_report(str(report.get("host", "")), str(report.get("run", "")), number(report.get("time")) or 0.0,
+                       ranks)
+
+
+def merge_hang_reports(reports: list[dict]) -> dict | None:
+    """The job's verdict on a hung attempt from every host's report: the culprit is the rank with evidence against
+    itself (stopped, unresponsive, stuck outside a collective) before any that waits in a collective, and among
+    those the one whose last beat is oldest; the ranks waiting in collectives are its victims. None without reports.
+    Returns {"culprit": rank, "victims": [ranks], "reason": one line}."""
+    ranks = [rank for report in reports for rank in report["ranks"]]
+    if not ranks:
+        return None
+    ranks.sort(key=lambda r: (r["kind"] == "in-collective", r["last_beat"], r["rank"]))
+    culprit = ranks[0]
+    victims = [r for r in ranks[1:] if r["kind"] == "in-collective"]
+    step = f", after step {culprit['step']}" if culprit["step"] is not None else ""
+    words = {"stopped": "its process is stopped", "unresponsive": "it did not answer for its stack",
+             "outside-collective": "it is stuck outside any collective", "in-collective": "it waits in a collective"}
+    where = "" if culprit["kind"] == "stopped" else f": {culprit['where']}"
+    reason = (f"hang: rank {culprit['rank']} on {culprit['host']} is the likely culprit ({words[culprit['kind']]}"
+              f"{where}{step})")
+    if victims:
+        shown = ", ".join(f"rank {v['rank']} on {v['host']}" for v in victims[:3])
+        more = f" and {len(victims) - 3} more" if len(victims) > 3 else ""
+        many = len(victims) != 1
+        reason += f"; {len(victims)} rank{'s' if many else ''} wait{'' if many else 's'} for it in collectives " \
+                  f"({shown}{more})"
+    return {"culprit": culprit, "victims": victims, "reason": clean(reason, 1000)}
+
+
+def chart_constants() -> dict:
+    """files/generated/podstate.json: what the chart's templates need of this module (the Job's failure policy, the
+    version the chart's scripts speak)."""
+    return {"version": VERSION, "protocolEnv": PROTOCOL_ENV, "exitConfigError": EXIT_CONFIG_ERROR,
+            "exitBudgetSpent": EXIT_BUDGET_SPENT, "exitStopped": EXIT_STOPPED, "stateDirEnv": STATE_DIR_ENV}
+
+
+def shell_constants() -> str:
+    """files/generated/podstate.sh: what the bash pod scripts need of this module, as shell variables."""
+    values = {"PODSTATE_VERSION": VERSION, "NOTHING_TO_SAVE_STATES": " ".join(NOTHING_TO_SAVE_STATES),
+              "STATE_TRAINING": "training", "EXIT_CONFIG_ERROR": EXIT_CONFIG_ERROR,
+              "EXIT_BUDGET_SPENT": EXIT_BUDGET_SPENT, "EXIT_STOPPED": EXIT_STOPPED,
+              "HANG_TEXT_PATTERN": HANG_TEXT.format(run="%s"), "HANG_JSON_PATTERN": HANG_JSON.format(run="%s"),
+              "ATTEMPT_ENV_FILE": ATTEMPT_ENV_FILE}
+    lines = [f"{name}={json.dumps(str(value))}" for name, value in values.items()]
+    return "\n".join(["# shellcheck disable=SC2034 # read by the scripts that source it", *lines]) + "\n"

@@ -1,0 +1,408 @@
+"""The sidecar of every pod of the release (both launch modes): where a run stands, for `kubectl get` and for
+Prometheus, and the scale-down after success. It runs no tenant code (the platform's image, progress.image), and it
+is the only container that holds a token: the release's own ServiceAccount's, whose Roles can get and patch one
+ConfigMap, <release>-progress, and scale the release's worker StatefulSet (ssh mode), nothing else.
+
+It reads what its own pod knows, in the state directory (train/podstate.py: the protocol, its table of files),
+through podstate.StateDir (no symlink followed, regular files only, bounded reads): the tenant's containers write
+there, so everything in it is untrusted data, typed, bounded and cleaned before it is published.
+
+One writer per key of the ConfigMap, each at most every PATCH_EVERY_S and only on a change, so that the API load
+does not grow with the workers:
+- node rank 0's sidecar (`--progress`, the pod of rank 0) writes rank 0's progress (PROGRESS_KEYS);
+- the ledger's owner's sidecar (`--job`: ssh the launcher pod, nossh worker 0) writes the job's state, the reason
+  the last attempt ended (a hang's culprit, merged from every host's report by the ledger), the attempt counter
+  and the one-line `summary` (JOB_KEYS), reading rank 0's keys back from the ConfigMap where another pod writes
+  them;
+- every other sidecar writes nothing (its pod's hang report reaches the ledger's owner with the attempt's end).
+With --metrics-port each serves its own pod's part as Prometheus metrics (prometheus_client): every rank's step,
+step time and heartbeat age (at most --ranks-per-pod ranks, each below --world-size), rank 0's progress, the
+job's state and counter; label values come only from fixed sets, and no `release` label (a PodMonitor adds it
+from the pod's own labels). Without API access (no token, no cluster) or without prometheus_client in the image, it
+says so once and does the rest.
+
+With --scale-down NAME (the launcher pod of launchMode ssh, launcher.scaleDownWorkers), once the ledger's verdict
+says the job is done it scales the StatefulSet NAME to 0, so that finished workers free their GPUs: within a second
+of the verdict, or at the latest on the SIGTERM the kubelet sends this native sidecar when the launcher has exited.
+
+Usage: sidecar.py [--configmap NAME] [--progress] [--job] [--metrics-port PORT] [--scale-down STATEFULSET]
+                  [--world-size N] [--ranks-per-pod N]        (runs until SIGTERM, then publishes once more)
+"""
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "generated"))  # the chart's copy of train/podstate.py
+import podstate  # noqa: E402
+
+POLL_S = 1.0
+PATCH_EVERY_S = 2.0  # each writer patches at most this often (a change of the job's state: at once)
+API_TIMEOUT = (3, 10)  # connect, read: a stuck API call must not hold the loop, nor the exit after SIGTERM
+FINAL_TRIES = 20  # after SIGTERM, 0.5 s apart: a slow API must not lose the last word
+METRIC = "deepspeed_training"
+PROGRESS_KEYS = ("progressState", "step", "steps", "percent", "loss", "lr", "tokensPerSecond", "mfu", "eta",
+                 "checkpointStep", "goodput", "progressTime")
+JOB_KEYS = ("state", "reason", "culprit", "attempt", "failuresUsed", "failureBudget", "preemptions", "run",
+            "updated", "summary")
+NUMBERS = {"step": ("step", "{:.0f}"), "steps": ("steps", "{:.0f}"), "loss": ("loss", "{:.4f}"), "lr": ("lr", "{:.3e}"),
+           "tokens_per_s": ("tokensPerSecond", "{:.0f}"), "mfu": ("mfu", "{:.1%}"),
+           "checkpoint_step": ("checkpointStep", "{:.0f}")}
+COUNTERS = {"attempt": "attempt", "failures": "failuresUsed", "failure_budget": "failureBudget",
+            "preemptions": "preemptions"}
+
+
+def log(message: str) -> None:
+    print(f"sidecar: {socket.gethostname()}: {podstate.clean(message, 2000)}", flush=True)
+
+
+def format_eta(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def progress_fields(progress: dict) -> dict[str, str]:
+    """The ConfigMap's keys for rank 0's progress (PROGRESS_KEYS; absent ones left out)."""
+    out = {}
+    if progress.get("state") in podstate.JOB_STATES:
+        out["progressState"] = progress["state"]
+    for key, (name, form) in NUMBERS.items():
+        if (value := podstate.number(progress.get(key))) is not None and abs(value) < 1e15:
+            out[name] = form.format(value)
+    if progress.get("loss") in ("nan", "inf", "-inf"):  # rankstate publishes a non-finite loss as its name
+        out["loss"] = progress["loss"]
+    if (eta := podstate.number(progress.get("eta_s"))) is not None and 0 <= eta < 1e9:
+        out["eta"] = format_eta(eta)
+    step, steps = podstate.number(progress.get("step")), podstate.number(progress.get("steps"))
+    if step is not None and steps and 0 <= step <= 1e15:
+        out["percent"] = f"{100 * step / steps:.1f}"
+    if isinstance(progress.get("goodput_line"), str):  # train/goodput.py's split of the job's wall time
+        out["goodput"] = podstate.clean(progress["goodput_line"])
+    if (written := podstate.number(progress.get("time"))) is not None:
+        out["progressTime"] = f"{written:.3f}"
+    return out
+
+
+def job_fields(verdict: dict, rank0: dict[str, str]) -> dict[str, str]:
+    """The ConfigMap's keys for the job (JOB_KEYS but updated and summary): the ledger's verdict, its state
+    refined by rank 0's while an attempt runs (rank 0's report is newer than the attempt's start)."""
+    out = {"state": verdict["state"] if verdict.get("state") in podstate.LEDGER_STATES else "pending"}
+    rank0_state, rank0_time = rank0.get("progressState"), podstate.number(rank0.get("progressTime"))
+    started = podstate.number(verdict.get("time")) or 0.0
+    if out["state"] == "starting" and rank0_state in podstate.STATES and rank0_time is not None \
+            and rank0_time >= started:
+        out["state"] = rank0_state
+    if isinstance(verdict.get("reason"), str) and verdict["reason"]:
+        out["reason"] = podstate.clean(verdict["reason"], 1000)
+    if isinstance(verdict.get("culprit"), str) and verdict["culprit"]:
+        out["culprit"] = podstate.clean(verdict["culprit"], 300)
+    for key, name in COUNTERS.items():
+        if (value := podstate.number(verdict.get(key))) is not None and 0 <= value < 1e9:
+            out[name] = f"{value:.0f}"
+    if isinstance(verdict.get("run"), str) and podstate.parse_run_id(verdict["run"]):
+        out["run"] = verdict["run"]
+    return out
+
+
+def summary(data: dict[str, str]) -> str:
+    """One line: `training | step 120/300 (40.0%) | loss 0.4064 | 6,100 tokens/s | eta 0:00:18 | ...`."""
+    parts = [data.get("state", "pending")]
+    if "step" in data:
+        parts.append(f"step {data['step']}" + (f"/{data['steps']}" if "steps" in data else "")
+                     + (f" ({data['percent']}%)" if "percent" in data else ""))
+    if "loss" in data:
+        parts.append(f"loss {data['loss']}")
+    if (tokens := podstate.number(data.get("tokensPerSecond"))) is not None:
+        parts.append(f"{tokens:,.0f} tokens/s")
+    parts += [f"{label} {data[key]}" for key, label in (("mfu", "mfu"), ("eta", "eta"),
+                                                        ("checkpointStep", "checkpoint at step")) if key in data]
+    if data.get("goodput"):
+        parts.append(data["goodput"].split(" | ")[0])  # "goodput 91.2%"
+    if "attempt" in data:
+        preemptions = data.get("preemptions", "?")
+        parts.append(f"attempt {data['attempt']} ({data.get('failuresUsed', '?')} of {data.get('failureBudget', '?')}"
+                     f" failures used, {preemptions} preemption{'' if preemptions == '1' else 's'})")
+    if data.get("reason") and data.get("state") != "done":  # why the last attempt ended: moot once the job is done
+        parts.append(data["reason"])
+    return " | ".join(parts)
+
+
+class Pod:
+    """This pod's state directory, read as podstate.StateDir reads it (the tenant writes there)."""
+
+    def __init__(self, state_dir: Path, world_size: int, ranks_per_pod: int):
+        self.dir = podstate.StateDir(state_dir)
+        self.world_size, self.ranks_per_pod = world_size, ranks_per_pod
+
+    def record(self, name: str) -> dict | None:
+        found = self.dir.read_json(name)
+        return found[0] if found else None
+
+    def ranks(self) -> list[dict]:
+        """This pod's ranks (their state lines: `<state> rank=R step=N step_s=S`) and heartbeat ages: at most
+        ranks_per_pod of them, each rank below world_size, the newest heartbeat where two files claim one rank."""
+        newest: dict[int, dict] = {}
+        for name in self.dir.names(podstate.RANK_FILE):
+            found = self.dir.read(name, podstate.MAX_LINE_BYTES)
+            if not found:
+                continue
+            words = found[0].decode("utf-8", "replace").split()
+            fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+            rank = fields.get("rank", "")
+            if not (rank.isdigit() and int(rank) < self.world_size):
+                continue
+            step, step_s = podstate.number(fields.get("step")), podstate.number(fields.get("step_s"))
+            entry = {"rank": str(int(rank)), "state": words[0] if words and words[0] in podstate.STATES else "",
+                     "age": max(0.0, time.time() - found[1]), "mtime": found[1],
+                     "step": step if step is not None and 0 <= step < 1e15 else None,
+                     "step_s": step_s if step_s is not None and 0 <= step_s < 86400 else None}
+            if int(rank) not in newest or newest[int(rank)]["mtime"] < entry["mtime"]:
+                newest[int(rank)] = entry
+        return sorted(newest.values(), key=lambda r: -r["mtime"])[:self.ranks_per_pod]
+
+
+class Api:
+    """The API server, through this pod's token (in a cluster) or $KUBECONFIG (elsewhere); raises when there is
+    none (no token, no cluster, no client)."""
+
+    def __init__(self, namespace: str):
+        from kubernetes import client, config  # noqa: PLC0415 - only where a token is mounted
+
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config()
+        else:
+            config.load_kube_config()
+        self.core, self.apps, self.namespace = client.CoreV1Api(), client.AppsV1Api(), namespace
+        self.requests = 0  # made by this process (bench/scale.py reads the log line at exit)
+
+
+class Writer:
+    """This pod's keys of the progress ConfigMap: a JSON merge patch of the keys that changed (null removes one),
+    at most every PATCH_EVERY_S unless `urgent`; no read-modify-write, so writers of other keys never conflict."""
+
+    def __init__(self, api: Api, name: str, keys: tuple[str, ...]):
+        self.api, self.name, self.keys = api, name, keys
+        self.written: dict[str, str] = {}
+        self.next_at, self.last_error = 0.0, ""
+
+    def write(self, fields: dict[str, str], urgent: bool = False) -> bool:
+        """Patches what changed; False when the API refused (kept for the next call)."""
+        changed = {k: fields.get(k) for k in self.keys if fields.get(k) != self.written.get(k)}
+        if not changed or (not urgent and time.monotonic() < self.next_at):
+            return True
+        try:
+            self.api.requests += 1
+            self.api.core.patch_namespaced_config_map(self.name, self.api.namespace, {"data": changed},
+                                                      _request_timeout=API_TIMEOUT)
+        except Exception as err:  # noqa: BLE001 - the API may be away for a while: keep it, try again
+            if str(err) != self.last_error:
+                self.last_error = str(err)
+                log(f"could not patch ConfigMap {self.name} (trying again): {type(err).__name__}: "
+                    f"{self.last_error.splitlines()[0] if self.last_error else ''}")
+            return False
+        self.written.update({k: v for k, v in changed.items() if v is not None})
+        for key in [k for k, v in changed.items() if v is None]:
+            self.written.pop(key, None)
+        self.next_at, self.last_error = time.monotonic() + PATCH_EVERY_S, ""
+        return True
+
+    def read(self) -> dict[str, str]:
+        """The ConfigMap's data now (another pod's keys), at most every PATCH_EVERY_S; {} when unreadable."""
+        try:
+            self.api.requests += 1
+            found = self.api.core.read_namespaced_config_map(self.name, self.api.namespace,
+                                                             _request_timeout=API_TIMEOUT)
+            return {k: v for k, v in (found.data or {}).items() if isinstance(v, str)}
+        except Exception:  # noqa: BLE001 - the summary waits for the next read
+            return {}
+
+
+class ScaleDown:
+    """Scales the release's worker StatefulSet to 0 once the ledger's verdict says the job is done."""
+
+    def __init__(self, api: Api, name: str, pod: Pod):
+        self.api, self.name, self.pod, self.done, self.last_error = api, name, pod, False, ""
+
+    def pending(self) -> bool:
+        return not self.done and (self.pod.record(podstate.VERDICT) or {}).get("state") == "done"
+
+    def run(self) -> None:
+        if not self.pending():
+            return
+        try:
+            self.api.requests += 1
+            self.api.apps.patch_namespaced_stateful_set_scale(self.name, self.api.namespace,
+                                                              {"spec": {"replicas": 0}}, _request_timeout=API_TIMEOUT)
+        except Exception as err:  # noqa: BLE001 - the API may be away for a while: try again
+            if str(err) != self.last_error:
+                self.last_error = str(err)
+                log(f"could not scale statefulset {self.name} down (trying again): {type(err).__name__}: "
+                    f"{self.last_error.splitlines()[0] if self.last_error else ''}")
+            return
+        self.done = True
+        log(f"scaled statefulset {self.api.namespace}/{self.name} to 0 replicas: the run succeeded")
+
+
+class Publisher:
+    """What this pod writes: rank 0's progress (`progress`), the job's record (`job`), or nothing."""
+
+    def __init__(self, pod: Pod, api: Api | None, name: str, progress: bool, job: bool):
+        self.pod, self.progress, self.job = pod, progress, job
+        self.progress_writer = Writer(api, name, PROGRESS_KEYS) if api and progress else None
+        self.job_writer = Writer(api, name, JOB_KEYS) if api and job else None
+        self.rank0: dict[str, str] = {}  # rank 0's keys as the ConfigMap (or this pod) has them
+        self.next_read = 0.0
+
+    def step(self, final: bool = False) -> bool:
+        """One look and the patches it calls for; False while something is left to write."""
+        done = True
+        local = progress_fields(self.pod.record(podstate.PROGRESS) or {}) if self.progress else {}
+        if self.progress_writer:
+            done &= self.progress_writer.write(local, urgent=final)
+        if self.job_writer:
+            if self.progress:
+                self.rank0 = local
+            elif final or time.monotonic() >= self.next_read:  # rank 0 is another pod's: read its keys back
+                self.rank0 = {k: v for k, v in self.job_writer.read().items() if k in PROGRESS_KEYS} or self.rank0
+                self.next_read = time.monotonic() + PATCH_EVERY_S
+            fields = job_fields(self.pod.record(podstate.VERDICT) or {}, self.rank0)
+            fields["summary"] = summary({**self.rank0, **fields})
+            written = self.job_writer.written
+            if any(fields.get(k) != written.get(k) for k in JOB_KEYS if k != "updated"):
+                urgent = final or fields["state"] != written.get("state")
+                fields["updated"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                done &= self.job_writer.write(fields, urgent=urgent)
+        return done
+
+
+def serve_metrics(pod: Pod, port: int, progress: bool, job: bool) -> bool:
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
+        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+    except ImportError as err:
+        log(f"no metrics: {err} (the image needs the prometheus_client package)")
+        return False
+
+    def gauge(name: str, doc: str, value: float | None):
+        if value is not None:
+            family = GaugeMetricFamily(f"{METRIC}_{name}", doc)
+            family.add_metric([], value)
+            yield family
+
+    class Collector:
+        def collect(self):
+            if progress:  # rank 0's, in node rank 0's pod
+                record = pod.record(podstate.PROGRESS) or {}
+                for name, key, doc in (
+                        ("step", "step", "the last step rank 0 reported"),
+                        ("steps", "steps", "the steps the run trains for"),
+                        ("loss", "loss", "rank 0's last logged loss (the mean over ranks)"),
+                        ("learning_rate", "lr", "the last logged learning rate"),
+                        ("tokens_per_second", "tokens_per_s", "tokens a second over the last logged interval"),
+                        ("mfu_ratio", "mfu", "model FLOPs utilisation over the last logged interval"),
+                        ("eta_seconds", "eta_s", "seconds left at the recent pace"),
+                        ("checkpoint_step", "checkpoint_step", "the step of the last complete checkpoint"),
+                        ("checkpoint_save_seconds", "checkpoint_save_s", "seconds the last checkpoint save took")):
+                    yield from gauge(name, doc, podstate.number(record.get(key)))
+                if (published := podstate.number(record.get("time"))) is not None:
+                    yield from gauge("progress_age_seconds", "seconds since rank 0 last reported",
+                                     max(0.0, time.time() - published))
+                goodput = record.get("goodput") if isinstance(record.get("goodput"), dict) else {}
+                family = GaugeMetricFamily(f"{METRIC}_goodput_seconds", "the job's wall time so far, by where it "
+                                           "went (all attempts; bucket wall is the whole)", labels=["bucket"])
+                for bucket in (*podstate.GOODPUT_BUCKETS, *podstate.GOODPUT_TOTALS):
+                    if (value := podstate.number(goodput.get(bucket))) is not None:
+                        family.add_metric([bucket], value)
+                yield family
+            if job:  # the ledger's, in its owner's pod
+                verdict = pod.record(podstate.VERDICT) or {}
+                for name, key, doc in (("attempt", "attempt", "the job's attempt number"),
+                                       ("failures", "failures", "failed attempts so far (the failure budget used)"),
+                                       ("failure_budget", "failure_budget", "failed attempts the job may retry"),
+                                       ("preemptions", "preemptions", "attempts stopped by SIGTERM (not failures)")):
+                    yield from gauge(name, doc, podstate.number(verdict.get(key)))
+                state = job_fields(verdict, progress_fields(pod.record(podstate.PROGRESS) or {}) if progress
+                                   else {})["state"]
+                family = GaugeMetricFamily(f"{METRIC}_state", "the job's state (1 for the current one)",
+                                           labels=["state"])
+                family.add_metric([state], 1)
+                yield family
+            ranks = pod.ranks()
+            for name, key, doc in (("rank_step", "step", "the last step this rank finished"),
+                                   ("rank_step_seconds", "step_s", "this rank's recent seconds per step"),
+                                   ("rank_heartbeat_age_seconds", "age", "seconds since this rank's last report")):
+                family = GaugeMetricFamily(f"{METRIC}_{name}", doc, labels=["rank"])
+                for rank in ranks:
+                    if rank[key] is not None:
+                        family.add_metric([rank["rank"]], rank[key])
+                yield family
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    try:
+        start_http_server(port, registry=registry)
+    except OSError as err:  # the port is taken: the ConfigMap is still kept
+        log(f"no metrics: port {port}: {err}")
+        return False
+    log(f"serving metrics on :{port}/metrics")
+    return True
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configmap", help="the progress ConfigMap to patch")
+    parser.add_argument("--progress", action="store_true", help="this pod holds rank 0 (node rank 0)")
+    parser.add_argument("--job", action="store_true", help="this pod holds the ledger (ssh: launcher; nossh: worker 0)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--scale-down", metavar="STATEFULSET", help="scale it to 0 once the job is done")
+    parser.add_argument("--world-size", type=int, default=1 << 20, help="ranks of the job (rank labels below it)")
+    parser.add_argument("--ranks-per-pod", type=int, default=64, help="the most rank series this pod serves")
+    args = parser.parse_args(argv)
+    # A pod's role may hang on its index, which the pod learns at run time (the workers share one template).
+    node_rank = os.environ.get("DS_NODE_RANK", "")
+    progress = args.progress and node_rank in ("", "0")
+    job = args.job and node_rank in ("", "0")
+    pod = Pod(Path(os.environ.get(podstate.STATE_DIR_ENV, "/tmp/deepspeed-ranks")), args.world_size,
+              args.ranks_per_pod)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    if args.metrics_port:
+        serve_metrics(pod, args.metrics_port, progress, job)
+    api = scale_down = None
+    wanted = [what for what in (args.configmap and (progress or job) and f"publishing to ConfigMap {args.configmap}",
+                                args.scale_down and f"scaling {args.scale_down} down") if what]
+    if wanted:
+        try:
+            api = Api(os.environ.get("POD_NAMESPACE", "default"))
+        except Exception as err:  # noqa: BLE001 - no token, no cluster, no client: the metrics still work
+            log(f"no API access: not {' nor '.join(wanted)}: {type(err).__name__}: {err}")
+        else:
+            log(", ".join(wanted) + (" once the job is done" if args.scale_down else ""))
+    publisher = Publisher(pod, api, args.configmap or "", progress, job)
+    if api and args.scale_down:
+        scale_down = ScaleDown(api, args.scale_down, pod)
+    final_tries = FINAL_TRIES
+    while True:
+        final = bool(stopping)
+        done = publisher.step(final)
+        if scale_down:
+            scale_down.run()
+        if final:
+            final_tries -= 1
+            if (done and not (scale_down and scale_down.pending())) or final_tries <= 0:
+                if api:
+                    log(f"stopping after {api.requests} API requests")
+                return 0
+            time.sleep(0.5)
+            continue
+        time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
