@@ -1,15 +1,11 @@
 """The training loop: set up DeepSpeed, resume, train, log on rank 0, checkpoint on all ranks, tear down."""
 
-import json
 import logging
 import os
-import resource
 import signal
 import socket
 import sys
-import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -18,20 +14,17 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import default_pg_timeout
 
-from train import checkpoint, dsconfig, mfu, rankstate
+from train import checkpoint, dsconfig, mfu, podstate, rankstate
+from train.checks import Inputs, check_devices, check_inputs, check_world_size
 from train.config import ConfigError, TrainConfig, parse_args
-from train.data import DataError, make_data, samples
+from train.data import DataError, samples
 from train.deepspeed_mirror import FirstCollectiveClock
-from train.goodput import Goodput
-from train.goodput import describe as goodput_line
-from train.goodput import published as goodput_fields
-from train.layout import Layout, LayoutError
 from train.model import GPT, build_model, count_parameters
 from train.pipeline import PipelineGPT, stage_plan
-from train.progress import Progress, Stragglers
+from train.report import Run, RunReport, Utilisation
 
 logger = logging.getLogger("train")
-EXIT_SIGTERM = 143  # non-zero, so a Job retries and the next attempt resumes from the saved checkpoint
+EXIT_SIGTERM = podstate.EXIT_STOPPED  # non-zero: the Job retries, the next attempt resumes from the saved step
 
 
 def init_logger(rank: int) -> None:
@@ -57,76 +50,6 @@ class StopFlag:
     def _handle(self, signum, frame):
         self.requested = True
         rankstate.report("stopping")
-
-
-@dataclass
-class Inputs:
-    """What a rank checked before joining the process group: a bad file fails every rank at once, with exit
-    2 and one line, instead of after the rendezvous (or, worse, inside deepspeed.initialize)."""
-    ds_config: dict
-    batch: tuple[int, int, int]
-    data: object
-    layout: Layout
-    data_rank: int  # this rank's data-parallel rank
-
-
-def check_config(cfg: TrainConfig, world_size: int) -> tuple[Layout, dict, tuple[int, int, int]]:
-    """The start checks that need neither this rank's hardware, its disks nor the data: the ones the chart's
-    pre-install hook runs too (train/preflight.py), so that the chart alone refuses what every rank would."""
-    try:
-        layout = Layout(world_size, cfg.model.pipeline_stages)
-    except LayoutError as err:
-        raise ConfigError(str(err)) from None
-    check_chart_paths(cfg)
-    ds_config = dsconfig.load(cfg.ds_config)
-    return layout, ds_config, dsconfig.check_run(ds_config, layout, cfg.ds_config, steps=cfg.steps)
-
-
-def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:
-    layout, ds_config, batch = check_config(cfg, world_size)
-    dsconfig.check_precision(ds_config, get_accelerator(), cfg.ds_config)
-    if cfg.checkpoint_dir:
-        checkpoint.check_writable(Path(cfg.checkpoint_dir))
-    # Both ends of a pipeline read alike: they share a data-parallel rank.
-    data = make_data(cfg.data, cfg.model, layout.data_rank(rank), layout.data_parallel, batch[0])
-    return Inputs(ds_config, batch, data, layout, layout.data_rank(rank))
-
-
-def check_chart_paths(cfg: TrainConfig) -> None:
-    """Under the chart, which ds_config runs and where checkpoints go are the chart's (its env on every rank):
-    a config key or a later flag that points elsewhere would train with an unchecked config, or save where no
-    restart finds it."""
-    for key, env in (("ds_config", "DS_CONFIG_PATH"), ("checkpoint_dir", "DS_CHECKPOINT_DIR")):
-        chart_path, ours = os.environ.get(env, ""), getattr(cfg, key)
-        if chart_path and os.path.normpath(ours or ".") != os.path.normpath(chart_path):
-            raise ConfigError(f"{key} {ours!r}, but the chart's is {chart_path!r} ({env}): the chart decides it "
-                              f"(deepspeed.config, checkpoints.mountPath); remove {key} from train.config and "
-                              "train.args")
-
-
-def check_world_size(world_size: int) -> None:
-    """Before the rendezvous, on every rank: a job that "completes" on fewer ranks than it was given is a
-    failure, and a rank that counts another world size than its peers would hang in the rendezvous."""
-    expected = int(os.environ.get("DS_WORLD_SIZE", world_size))  # the chart's workers x gpusPerWorker
-    if world_size != expected:
-        raise ConfigError(f"world size {world_size} (WORLD_SIZE from DeepSpeed's launcher), but the chart runs "
-                          f"{expected} ranks (DS_WORLD_SIZE: worker.replicas x worker.gpusPerWorker): a worker, its "
-                          "GPUs or its hostfile entry is wrong")
-
-
-def check_devices() -> None:
-    """Before anything else touches a device: a worker given GPUs (DS_GPUS_PER_WORKER, the chart's
-    worker.gpusPerWorker when worker.gpuResourceName is set) whose ranks see fewer (a node's device plugin or
-    driver, CUDA_VISIBLE_DEVICES) would fail each rank later with "invalid device ordinal", or train on the CPU."""
-    wanted = int(os.environ.get("DS_GPUS_PER_WORKER") or 0)
-    if not wanted:
-        return
-    accelerator = get_accelerator()
-    seen = 0 if accelerator.device_name() == "cpu" else accelerator.device_count()
-    if seen < wanted:
-        raise ConfigError(f"this worker's ranks see {seen} GPUs (DeepSpeed's accelerator: "
-                          f"{accelerator.device_name()}), but worker.gpusPerWorker is {wanted}: the node gives the "
-                          "pod fewer (its device plugin, driver or CUDA_VISIBLE_DEVICES)")
 
 
 def layout_of(engine, world_size: int, cfg: TrainConfig) -> dict:
@@ -232,16 +155,6 @@ def hosts(world_size: int) -> list[str]:
     return names
 
 
-@dataclass
-class Utilisation:
-    """What the MFU needs: the model's training FLOPs per token and one accelerator's peak (None: unknown)."""
-    flops_per_token: int
-    peak_tflops: float | None
-
-    def of(self, tokens_per_s: float, world_size: int) -> float | None:
-        return mfu.mfu(tokens_per_s / world_size, self.flops_per_token, self.peak_tflops)
-
-
 def utilisation(cfg: TrainConfig, model, half_precision: bool) -> Utilisation:
     n_layer, d_model = model.shape()
     if isinstance(model, PipelineGPT):  # a stage holds part of the model: count the whole one, shapes only
@@ -258,34 +171,11 @@ def utilisation(cfg: TrainConfig, model, half_precision: bool) -> Utilisation:
     return Utilisation(flops, peak)
 
 
-def write_metrics(ckpt_dir: Path, losses: list[tuple[int, float]], tokens_per_step: int, elapsed: float,
-                  checkpoint_s: float, world_size: int, peak_rss: list[float], use: Utilisation,
-                  goodput: dict) -> None:
-    tokens_per_s = tokens_per_step * len(losses) / (elapsed - checkpoint_s)  # checkpoint time left out
-    metrics = {
-        "steps": losses[-1][0],
-        "steps_run": len(losses),
-        "final_loss": losses[-1][1],
-        "tokens_per_s": tokens_per_s,
-        "model_flops_per_token": use.flops_per_token,
-        "peak_tflops": use.peak_tflops,
-        "mfu": use.of(tokens_per_s, world_size),
-        "elapsed_s": elapsed,
-        "checkpoint_s": checkpoint_s,
-        "world_size": world_size,
-        "peak_rss_mib": peak_rss,
-        "goodput_s": goodput,  # the whole job, every attempt (train/goodput.py)
-        "losses": losses,
-    }
-    checkpoint.write_atomic(ckpt_dir / "metrics.json", json.dumps(metrics, indent=1))
-
-
-def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: StopFlag) -> int:
+def start_engine(cfg: TrainConfig, inputs: Inputs, world_size: int):
+    """(engine, model, half precision) of the configured model, and the run's start line."""
     micro, accum, global_batch = inputs.batch
-    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    stages = cfg.model.pipeline_stages
-    plan = stage_plan(cfg.model) if stages > 1 else []
-    if stages > 1:
+    plan = stage_plan(cfg.model) if cfg.model.pipeline_stages > 1 else []
+    if plan:
         model = PipelineGPT(cfg.model, cfg.seed)
         parameters = sum(n for _, n in plan) - cfg.model.vocab_size * cfg.model.d_model  # the tied copy once
     else:
@@ -302,74 +192,42 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         f"collective timeout {default_pg_timeout.total_seconds() / 60:.0f} min{attempt_summary()}")
     for stage, (layers, count) in enumerate(plan):
         logger.info(f"pipeline stage {stage}: {layers} | {count / 1e6:.2f}M parameters")
+    return engine, model, dtype != "fp32"
 
-    use = utilisation(cfg, model, dtype != "fp32")
+
+def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: StopFlag) -> int:
+    engine, model, half = start_engine(cfg, inputs, world_size)
+    global_batch, ckpt_dir = inputs.batch[2], Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    report = RunReport(logger, Run(rank, world_size, cfg.steps, cfg.log_every, global_batch,
+                                   global_batch * cfg.model.seq_len, ckpt_dir, hosts(world_size),
+                                   utilisation(cfg, model, half)))
     layout = layout_of(engine, world_size, cfg)
-    rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
-    restore_started = time.perf_counter()
+    report.restoring()
     start_step, position = resume(engine, cfg, inputs, rank, layout)
-    goodput = Goodput(ckpt_dir if rank == 0 else None, start_step, time.perf_counter() - restore_started)
-    rankstate.publish(steps=cfg.steps, checkpoint_step=start_step or None)
-    rankstate.report("starting")  # the start-up budget again, until the first step
-    if start_step >= cfg.steps:
-        logger.info(f"nothing to do: already at step {start_step} of {cfg.steps}")
-    losses: list[tuple[int, float]] = []
-    tokens_per_step = global_batch * cfg.model.seq_len
-    progress = Progress(logger, cfg.steps, start_step, cfg.log_every, tokens_per_step, global_batch,
-                        lambda tokens_per_s: use.of(tokens_per_s, world_size))
+    report.resumed(start_step)
     saver = checkpoint.Checkpointer(engine, ckpt_dir, cfg.checkpoint_every, cfg.keep_checkpoints, layout,
                                     inputs.ds_config, start_step) if ckpt_dir else None
-    status = 0
-    stragglers = Stragglers(logger, hosts(world_size))
     # A rank's own compute in a step: until its first collective. Not for pipeline stages, which wait for each
     # other's activations from the start of a step.
-    clock = FirstCollectiveClock() if stages == 1 else None
+    clock = FirstCollectiveClock() if cfg.model.pipeline_stages == 1 else None
+    status = 0
     for step in range(start_step + 1, cfg.steps + 1):
-        step_started, started = time.time(), time.perf_counter()
+        report.step_begins()
         if clock:
             clock.start()
         step_loss, position = train_step(engine, inputs, position)
-        compute_s = clock.compute_s() if clock else 0.0
-        mean_loss, stopping, compute = agree(step_loss, stop, compute_s, rank, world_size)
-        goodput.step(step, step_started, time.perf_counter() - started)
-        losses.append((step, mean_loss))
-        if not stopping:
-            rankstate.beat(step)  # the heartbeat; from here a SIGTERM also has something to save
-        if rank == 0:
-            stragglers.step(compute)
-        if engine.monitor.enabled and rank == 0:  # ds_config's tensorboard / csv_monitor / wandb sections
-            engine.monitor.write_events([("Train/Samples/train_loss", mean_loss, engine.global_samples)])
-        if progress.step(step, mean_loss, engine.get_lr()[0], force=stopping) and rank == 0:
-            split = goodput.job()
-            rankstate.publish(**goodput_fields(split))
+        loss, stopping, compute = agree(step_loss, stop, clock.compute_s() if clock else 0.0, rank, world_size)
+        report.step(step, loss, engine.get_lr()[0], compute, stopping, engine)
         saved = saver.save(step, {"step": step, "data_position": position}, last_step=step == cfg.steps,
                            stopping=stopping) if saver else None
         if saved:
-            progress.pause(saved[1])
-            logger.info(f"saved checkpoint {saved[0]} in {saved[1]:.1f}s")
-            rankstate.publish(checkpoint_step=step, checkpoint_save_s=round(saved[1], 3))
-            goodput.saved(step, saved[1])
-            if not stopping:
-                rankstate.beat(step)  # back from `saving`: the next step's budget starts now
+            report.saved(step, *saved, stopping)
         if stopping:
             logger.warning(f"SIGTERM: stopped at step {step}" + (f", checkpoint at step {saver.last_saved}"
                                                                   if saver else ""))
             status = EXIT_SIGTERM
             break
-
-    goodput.flush()
-    elapsed = progress.elapsed()
-    peak_rss = [0.0] * world_size  # MiB per rank, for metrics.json
-    dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    split = goodput.job() if rank == 0 else {}
-    if losses:  # a run with nothing left to do keeps the last metrics
-        if rank == 0 and ckpt_dir:
-            write_metrics(ckpt_dir, losses, tokens_per_step, elapsed, progress.paused_s, world_size, peak_rss, use,
-                          split)
-        logger.info(f"done: {len(losses)} steps in {elapsed:.1f}s, final loss {losses[-1][1]:.4f}")
-        if split:  # rank 0
-            logger.info(goodput_line(split) if status == 0 else f"so far: {goodput_line(split)}")
-    rankstate.publish(**goodput_fields(split), **({"state": "done", "eta_s": 0} if status == 0 else {}))
+    report.end(status)
     return status
 
 

@@ -1,0 +1,216 @@
+"""What a run tells people and the chart's pods, in one object the training loop calls at a step, a save and the end
+(torchtitan's metrics processor is the model): RunReport owns the heartbeat (train/rankstate.py), the job's goodput
+(train/goodput.py), the rank-0 progress line and what it publishes, the straggler check, the ds_config's monitors
+and metrics.json.
+
+The progress line, every log_every steps on rank 0:
+`step 40/1000 | loss 3.2101 | lr 3.000e-04 | 51,234 tokens/s | 400.3 samples/s | mfu 41.0% | eta 1:02:03`.
+Time the loop spends saving is kept out of the throughput figures. Stragglers names a rank that every step waits
+for. The logged figures also go to rank 0's progress file (podstate.PROGRESS), for the chart's progress ConfigMap
+and metrics."""
+
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from train import checkpoint, mfu, rankstate
+from train.goodput import Goodput
+from train.goodput import describe as goodput_line
+from train.goodput import published as goodput_fields
+
+
+def format_eta(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class Progress:
+    """The rank-0 progress line and the interval timing behind it."""
+
+    def __init__(self, logger, steps: int, start_step: int, log_every: int, tokens_per_step: int, global_batch: int,
+                 mfu_of: Callable[[float], float | None]):
+        self.logger, self.steps, self.start_step, self.log_every = logger, steps, start_step, log_every
+        self.tokens_per_step, self.global_batch, self.mfu_of = tokens_per_step, global_batch, mfu_of
+        self.started = self.interval_start = time.perf_counter()
+        self.last_logged = start_step
+        self.paused_s = 0.0
+
+    def step(self, step: int, loss: float, lr: float, force: bool = False) -> bool:
+        """Logs the line every log_every steps, at the last step, and when `force`d (a stop); whether it did."""
+        if not (step % self.log_every == 0 or step == self.steps or force):
+            return False
+        now = time.perf_counter()
+        interval_steps, self.last_logged = step - self.last_logged, step
+        interval = now - self.interval_start
+        per_step = (now - self.started) / (step - self.start_step)
+        tokens_per_s = self.tokens_per_step * interval_steps / interval
+        utilised = self.mfu_of(tokens_per_s)
+        eta_s = per_step * (self.steps - step)
+        rankstate.publish(step=step, steps=self.steps, loss=loss, lr=lr, tokens_per_s=round(tokens_per_s, 1),
+                          mfu=utilised, eta_s=round(eta_s, 1))
+        self.logger.info(
+            f"step {step}/{self.steps} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s | "
+            f"{self.global_batch * interval_steps / interval:.1f} samples/s | "
+            f"{'' if utilised is None else f'mfu {utilised:.1%} | '}eta {format_eta(eta_s)}")
+        self.interval_start = now
+        return True
+
+    def pause(self, seconds: float) -> None:
+        """`seconds` spent outside training (a checkpoint save): left out of tokens/s."""
+        self.paused_s += seconds
+        self.interval_start += seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+class Stragglers:
+    """Names a rank whose own compute time per step (until the step's first collective, which every other rank enters
+    first and waits in: the wall-clock step time is the same on every rank of a synchronous job) is over RATIO x
+    the median of all ranks for RUN consecutive steps: one warning per rank at most every QUIET_S seconds, with
+    its host and its time against the median."""
+
+    RATIO, RUN, QUIET_S = 1.2, 10, 60.0
+
+    def __init__(self, logger, hosts: list[str]):
+        self.logger, self.hosts = logger, hosts
+        self.recent: list[list[tuple[float, float]]] = [[] for _ in hosts]  # (own, median) of the current run
+        self.named_at: dict[int, float] = {}
+
+    def step(self, compute: list[float]) -> None:
+        median = statistics.median(compute)
+        if median <= 0:  # not measured (a pipeline)
+            return
+        now = time.monotonic()
+        for rank, own in enumerate(compute):
+            run = self.recent[rank]
+            if own <= self.RATIO * median:
+                run.clear()
+                continue
+            run.append((own, median))
+            del run[:-self.RUN]
+            if len(run) == self.RUN and now - self.named_at.get(rank, -self.QUIET_S) >= self.QUIET_S:
+                self.named_at[rank] = now
+                own_mean, median_mean = (statistics.fmean(x) for x in zip(*run, strict=True))
+                self.logger.warning(
+                    f"straggler: rank {rank} ({self.hosts[rank]}) took {own_mean * 1000:,.0f} ms of its own compute "
+                    f"per step against a median of {median_mean * 1000:,.0f} ms ({own_mean / median_mean:.1f}x) for "
+                    f"the last {self.RUN} steps: every rank waits for it")
+
+
+@dataclass
+class Utilisation:
+    """What the MFU needs: the model's training FLOPs per token and one accelerator's peak (None: unknown)."""
+    flops_per_token: int
+    peak_tflops: float | None
+
+    def of(self, tokens_per_s: float, world_size: int) -> float | None:
+        return mfu.mfu(tokens_per_s / world_size, self.flops_per_token, self.peak_tflops)
+
+
+@dataclass
+class Run:
+    """What the report needs to know of the run it reports."""
+    rank: int
+    world_size: int
+    steps: int
+    log_every: int
+    global_batch: int
+    tokens_per_step: int
+    checkpoint_dir: Path | None
+    hosts: list[str]  # every rank's host, by rank
+    use: Utilisation
+
+
+class RunReport:
+    """The heartbeat, goodput, progress line, straggler check, monitors and metrics.json of one attempt."""
+
+    def __init__(self, logger, run: Run):
+        self.logger, self.run = logger, run
+        self.losses: list[tuple[int, float]] = []
+        self.goodput: Goodput | None = None
+        self.progress: Progress | None = None
+        self.stragglers = Stragglers(logger, run.hosts)
+        self.restore_started = 0.0
+        self.step_started = (0.0, 0.0)
+
+    def restoring(self) -> None:
+        rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
+        self.restore_started = time.perf_counter()
+
+    def resumed(self, start_step: int) -> None:
+        run = self.run
+        self.goodput = Goodput(run.checkpoint_dir if run.rank == 0 else None, start_step,
+                               time.perf_counter() - self.restore_started)
+        rankstate.publish(steps=run.steps, checkpoint_step=start_step or None)
+        rankstate.report("starting")  # the start-up budget again, until the first step
+        if start_step >= run.steps:
+            self.logger.info(f"nothing to do: already at step {start_step} of {run.steps}")
+        self.progress = Progress(self.logger, run.steps, start_step, run.log_every, run.tokens_per_step,
+                                 run.global_batch, lambda tokens_per_s: run.use.of(tokens_per_s, run.world_size))
+
+    def step_begins(self) -> None:
+        self.step_started = (time.time(), time.perf_counter())
+
+    def step(self, step: int, loss: float, lr: float, compute: list[float], stopping: bool, engine) -> None:
+        """A finished step: its loss (the mean over ranks), every rank's own compute time, whether the ranks stop."""
+        self.goodput.step(step, self.step_started[0], time.perf_counter() - self.step_started[1])
+        self.losses.append((step, loss))
+        if not stopping:
+            rankstate.beat(step)  # the heartbeat; from here a SIGTERM also has something to save
+        if self.run.rank == 0:
+            self.stragglers.step(compute)
+            if engine.monitor.enabled:  # ds_config's tensorboard / csv_monitor / wandb sections
+                engine.monitor.write_events([("Train/Samples/train_loss", loss, engine.global_samples)])
+        if self.progress.step(step, loss, lr, force=stopping) and self.run.rank == 0:
+            rankstate.publish(**goodput_fields(self.goodput.job()))
+
+    def saved(self, step: int, tag: str, seconds: float, stopping: bool) -> None:
+        self.progress.pause(seconds)
+        self.logger.info(f"saved checkpoint {tag} in {seconds:.1f}s")
+        rankstate.publish(checkpoint_step=step, checkpoint_save_s=round(seconds, 3))
+        self.goodput.saved(step, seconds)
+        if not stopping:
+            rankstate.beat(step)  # back from `saving`: the next step's budget starts now
+
+    def end(self, status: int) -> None:
+        """After the last step (or the stop): metrics.json, the done line and the job's goodput; on every rank."""
+        import deepspeed.comm as dist  # noqa: PLC0415 - a collective: every rank's peak memory
+
+        self.goodput.flush()
+        elapsed = self.progress.elapsed()
+        peak_rss = [0.0] * self.run.world_size  # MiB per rank
+        dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        split = self.goodput.job() if self.run.rank == 0 else {}
+        if self.losses:  # a run with nothing left to do keeps the last metrics
+            if self.run.rank == 0 and self.run.checkpoint_dir:
+                self.write_metrics(elapsed, peak_rss, split)
+            self.logger.info(f"done: {len(self.losses)} steps in {elapsed:.1f}s, final loss {self.losses[-1][1]:.4f}")
+            if split:  # rank 0
+                self.logger.info(goodput_line(split) if status == 0 else f"so far: {goodput_line(split)}")
+        rankstate.publish(**goodput_fields(split), **({"state": "done", "eta_s": 0} if status == 0 else {}))
+
+    def write_metrics(self, elapsed: float, peak_rss: list[float], goodput: dict) -> None:
+        run, checkpoint_s = self.run, self.progress.paused_s
+        tokens_per_s = run.tokens_per_step * len(self.losses) / (elapsed - checkpoint_s)  # saves left out
+        metrics = {
+            "steps": self.losses[-1][0],
+            "steps_run": len(self.losses),
+            "final_loss": self.losses[-1][1],
+            "tokens_per_s": tokens_per_s,
+            "model_flops_per_token": run.use.flops_per_token,
+            "peak_tflops": run.use.peak_tflops,
+            "mfu": run.use.of(tokens_per_s, run.world_size),
+            "elapsed_s": elapsed,
+            "checkpoint_s": checkpoint_s,
+            "world_size": run.world_size,
+            "peak_rss_mib": peak_rss,
+            "goodput_s": goodput,  # the whole job, every attempt (train/goodput.py)
+            "losses": self.losses,
+        }
+        checkpoint.write_atomic(run.checkpoint_dir / "metrics.json", json.dumps(metrics, indent=1))
