@@ -1,5 +1,5 @@
 """Start-up cost of the chart's pods in both launch modes, and the fault drill, on namespace hosts
-(tests/e2e/harness.py; root).
+(tests/support/harness.py; root).
 
 1. Start-up: time from "all pods started" (as a Job and StatefulSet start them) to the first logged optimizer
    step, for launchMode ssh (sshd workers + launcher: SSH checks, clearing stale ranks, pdsh) and nossh (the
@@ -42,9 +42,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.chart_pods import UID, e2e_values, render  # noqa: E402
-from tests.e2e.harness import Cluster, ensure_user, namespaces_available, prebuilt_ops_for_pods, step_losses, wait_for  # noqa: E402
-from tests.e2e.test_hangs import duty_cycle  # noqa: E402
+from tests.support.chart_pods import UID, e2e_values, render  # noqa: E402
+from tests.support.faults import duty_cycle  # noqa: E402
+from tests.support.harness import (  # noqa: E402
+    Cluster,
+    ensure_user,
+    namespaces_available,
+    prebuilt_ops_for_pods,
+    step_losses,
+    wait_for,
+)
 
 FIRST_STEP = re.compile(r"\[rank 0\] INFO step 1/")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.ports import free_port  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 STEPS_PER_S = 100
 BEATS = """

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.train_run import cpu_ds_config, run_train, write_ds_config  # noqa: E402
+from tests.support.train_run import cpu_ds_config, run_train, write_ds_config  # noqa: E402
 from train import checkpoint  # noqa: E402
 
 ARGS = ["--model.n-layer=2", "--model.d-model=64", "--model.seq-len=32", "--log-every=1", "--checkpoint-every=6"]

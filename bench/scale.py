@@ -1,6 +1,6 @@
 """How the chart's fixed costs grow with the number of workers (issue: cost that does not grow with workers).
 
-1. Readiness, on namespace hosts (tests/e2e/harness.py; root), no ranks: N worker pods are started at once, then
+1. Readiness, on namespace hosts (tests/support/harness.py; root), no ranks: N worker pods are started at once, then
    - ssh: the launcher pod runs its real entrypoint (launcher.sh) with, as the DeepSpeed command, pdsh as
      DeepSpeed's runner starts it (`-f 1024`) running `sleep 2` on every host: the ledger, wait-for-workers.sh
      (DNS, SSH and the worker template of every host, clearing stale ranks on it), the run. Measured from the
@@ -40,15 +40,15 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.chart_pods import UID, e2e_values, render  # noqa: E402
-from tests.e2e.harness import (  # noqa: E402
+from tests.support.chart import CHART, HELM  # noqa: E402
+from tests.support.chart_pods import UID, e2e_values, render  # noqa: E402
+from tests.support.harness import (  # noqa: E402
     Cluster,
     ensure_user,
     namespaces_available,
     prebuilt_ops_for_pods,
     wait_for,
 )
-from tests.helm_template import CHART, HELM  # noqa: E402
 from train.deepspeed_mirror import PDSH_MAX_FAN_OUT  # noqa: E402
 
 CONFIGMAP_LIMIT = 1 << 20  # the API server's object size limit for a ConfigMap's data

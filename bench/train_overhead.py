@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.ports import free_port  # noqa: E402
-from tests.train_run import cpu_ds_config, train_env  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.train_run import cpu_ds_config, train_env  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 128, "vocab_size": 256}
 VARIANTS = {

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helm_template import HELM, ROOT, container, env_of, one, render_chart
+from tests.support.chart import HELM, ROOT, container, env_of, one, pod_script, render_chart
 from train import podstate
 
 ATTEMPTS = ROOT / "charts" / "deepspeed-training" / "files" / "attempts.py"
-sys.path.insert(0, str(ATTEMPTS.parent))
-import attempts  # noqa: E402 - the pod script itself, imported as gang-barrier.py imports it
+attempts = pod_script("attempts")
 
 needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 

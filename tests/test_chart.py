@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.helm_template import (
+from tests.support.chart import (
     CHART,
     CI_VALUES,
     HELM,

@@ -6,7 +6,7 @@ import sys
 import yaml
 
 from scripts.values_table import documented_keys
-from tests.helm_template import CHART, ROOT
+from tests.support.chart import CHART, ROOT
 
 
 def key_paths(node, prefix=""):

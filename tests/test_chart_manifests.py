@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions, major_minor
 
-from tests.helm_template import CI_VALUES, HELM, ROOT, render_chart
+from tests.support.chart import CI_VALUES, HELM, ROOT, render_chart
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 KUBE_MINORS = sorted({major_minor(v) for v in all_versions() if tuple(map(int, major_minor(v).split("."))) >= (1, 29)},

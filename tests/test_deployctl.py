@@ -7,9 +7,9 @@ import subprocess
 import pytest
 
 from scripts import deployctl
-from tests.conftest import release_shm_buffers
-from tests.glue_tree import edit, run, set_key, write
-from tests.helm_template import HELM, ROOT, render_chart
+from tests.support.chart import HELM, ROOT, render_chart
+from tests.support.glue_tree import edit, run, set_key, write
+from tests.support.shm import release_shm_buffers
 
 ENVS = ["dev", "staging", "prod"]
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from tests.helm_template import CHART, ROOT, HelmError, by_kind, container, helm_binaries, render_chart
+from tests.support.chart import CHART, ROOT, HelmError, by_kind, container, helm_binaries, render_chart
 
 HELMS = helm_binaries()
 pytestmark = pytest.mark.skipif(not HELMS, reason="no helm binary; run `make setup`")

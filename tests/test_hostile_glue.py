@@ -10,9 +10,9 @@ import pytest
 
 from scripts import deployctl
 from scripts.jinja_render import render as render_template
-from tests.glue_tree import run, set_key, write
-from tests.helm_template import HELM, ROOT, render_chart
-from tests.payloads import ALIAS_BOMB
+from tests.support.chart import HELM, ROOT, render_chart
+from tests.support.glue_tree import run, set_key, write
+from tests.support.payloads import ALIAS_BOMB
 from train import dsconfig
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")

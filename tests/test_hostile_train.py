@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from tests.payloads import ALIAS_BOMB
-from tests.train_run import cpu_ds_config, run_single
+from tests.support.payloads import ALIAS_BOMB
+from tests.support.train_run import cpu_ds_config, run_single
 from train import checkpoint, dsconfig
+from train.checks import check_inputs
 from train.config import ConfigError, parse_args
 from train.data import DataError
-from train.main import check_inputs
 
 REFUSED = (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError)
 TINY = ["--model.n-layer", "1", "--model.d-model", "32", "--model.n-head", "2", "--model.seq-len", "16"]

@@ -3,7 +3,7 @@ what it leaves out, and how its pods find each other. The e2e tier (tests/e2e/te
 
 import pytest
 
-from tests.helm_template import (
+from tests.support.chart import (
     CHART,
     HelmError,
     by_kind,
@@ -130,9 +130,10 @@ def test_a_failed_pod_of_either_mode_says_why_in_its_termination_message():
 def test_the_hang_watchdog_gets_its_budgets_in_both_modes_and_goes_when_disabled():
     for mode, workload in ((NOSSH, workers_job), ({}, lambda docs: one(docs, "StatefulSet"))):
         env = env_of(workload(render_chart({**mode, "hangDetection": {"stepSeconds": 30}})))
-        assert (env["DS_HANG_STARTUP_SECONDS"], env["DS_HANG_STEP_SECONDS"]) == ("300", "30")
+        assert (env["DS_HANG_DETECTION"], env["DS_HANG_STARTUP_SECONDS"], env["DS_HANG_STEP_SECONDS"]) == (
+            "on", "300", "30")
         off = env_of(workload(render_chart({**mode, "hangDetection": {"enabled": False}})))
-        assert "DS_HANG_STEP_SECONDS" not in off  # the pod scripts start no watchdog then
+        assert off["DS_HANG_DETECTION"] == "off" and "DS_HANG_STEP_SECONDS" not in off  # the one switch
         assert "watchdog.py" in one(render_chart(mode), "ConfigMap", "-scripts")["data"]
 
 

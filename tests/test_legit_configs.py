@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tests.helm_template import HELM, render_chart
-from tests.train_run import run_single
+from tests.support.chart import HELM, render_chart
+from tests.support.train_run import run_single
 from train import dsconfig
 from train.layout import Layout
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from scripts import deployctl
-from tests.glue_tree import run, set_key
-from tests.helm_template import HELM
+from tests.support.chart import HELM
+from tests.support.glue_tree import run, set_key
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests.e2e.harness import Cluster, ensure_user, namespaces_available
-from tests.helm_template import HELM, ROOT, render_chart
+from tests.support.chart import HELM, ROOT, render_chart
+from tests.support.harness import Cluster, ensure_user, namespaces_available
 
 REASON = namespaces_available() or (None if HELM else "no helm binary; run `make setup`")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -174,8 +174,8 @@ def test_the_watchdog_ends_a_save_that_never_ends_and_never_judges_a_stopping_ra
     with Cluster(docs) as cluster:
         worker = cluster.pods_of("worker")[0]
         script = (f"cat > /tmp/fake_rank.py <<'EOF'\n{FAKE_RANK}\nEOF\n"
-                  f"export PYTHONPATH={ROOT} DS_HANG_STARTUP_SECONDS=100 DS_HANG_STEP_SECONDS=100 "
-                  "DS_HANG_CHECKPOINT_SECONDS=2; "
+                  f"export PYTHONPATH={ROOT} DS_HANG_DETECTION=on DS_HANG_STARTUP_SECONDS=100 "
+                  "DS_HANG_STEP_SECONDS=100 DS_HANG_CHECKPOINT_SECONDS=2; "
                   "python3 /tmp/fake_rank.py stopping --local_rank=1 & stopping=$!; "
                   "python3 /tmp/fake_rank.py saving --local_rank=0 & saving=$!; "
                   f"python3 {SCRIPTS}/watchdog.py & dog=$!; "

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.helm_template import CHART, ROOT
+from tests.support.chart import CHART, ROOT
 from train import podstate
 
 FILES = CHART / "files"
@@ -121,3 +121,33 @@ def test_a_hang_report_from_a_tenants_container_is_typed_and_bounded(hostile):
         assert json.loads(json.dumps(report)) == report
     else:
         assert not (isinstance(hostile, dict) and hostile.get("ranks") and re.search("stopped", str(hostile)))
+
+
+# ---------------------------------------------------------------- the two sides ship apart: a version, a skew rule
+
+def test_a_chart_of_another_protocol_version_is_refused_at_the_check_and_at_the_ranks_start(tmp_path):
+    """The image's train package and the chart's copy differ after an upgrade of either: the config check (helm
+    install) and every rank at start refuse the pair in one line naming both versions, with a configuration
+    error's status (never retried); the same version, or no chart (a local run), passes."""
+    podstate.check_version(str(podstate.VERSION), "x")
+    podstate.check_version(None, "x")
+    with pytest.raises(podstate.VersionSkew, match=f"speak run-state protocol version 99, this image's train "
+                                                   f"package version {podstate.VERSION}"):
+        podstate.check_version("99", "x")
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    env = {**os.environ, podstate.PROTOCOL_ENV: "99", "DS_CONFIG_PATH": str(ds_config), "DS_WORLD_SIZE": "1",
+           "DS_ACCELERATOR": "cpu"}
+    check = subprocess.run([sys.executable, "-m", "train.preflight"], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert check.returncode == podstate.EXIT_CONFIG_ERROR, check.stderr
+    assert check.stderr.strip().splitlines() == [
+        f"config check failed: config check: the chart's pod scripts speak run-state protocol version 99, this "
+        f"image's train package version {podstate.VERSION}: upgrade the chart and the image together (or pin the "
+        "image the chart was released with)"]
+    rank = subprocess.run([sys.executable, "-m", "train", f"--ds-config={ds_config}", "--steps=1"],
+                          env={**env, podstate.STATE_DIR_ENV: str(tmp_path / "ranks"), "RANK": "0"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert rank.returncode == podstate.EXIT_CONFIG_ERROR, rank.stderr
+    assert "rank 0: the chart's pod scripts speak run-state protocol version 99" in rank.stderr
+    assert "Traceback" not in rank.stderr

@@ -1,4 +1,4 @@
-"""The tests' rank zygote (tests/rank_zygote.py) keeps Popen's contract: a rank is in its process group when its
+"""The tests' rank zygote (tests/support/rank_zygote.py) keeps Popen's contract: a rank is in its process group when its
 start returns, so the next rank can join that group and a test can signal it."""
 
 import contextlib
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tests.train_run import Ranks, Zygote, cpu_ds_config, launch_argv_env, write_ds_config
+from tests.support.train_run import Ranks, Zygote, cpu_ds_config, launch_argv_env, write_ds_config
 
 
 def test_forked_ranks_are_in_the_first_ranks_group_when_their_start_returns(tmp_path):

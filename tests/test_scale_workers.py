@@ -13,11 +13,10 @@ import threading
 
 import pytest
 
-from tests.e2e.harness import wait_for
-from tests.helm_template import CHART
+from tests.support.chart import CHART, pod_script
+from tests.support.harness import wait_for
 
-sys.path.insert(0, str(CHART / "files"))
-import attempts  # noqa: E402 - the pod script that writes the ledger's verdict
+attempts = pod_script("attempts")
 
 SCALE = ("PATCH", "/apis/apps/v1/namespaces/ml/statefulsets/job-worker/scale", "application/strategic-merge-patch+json",
          {"spec": {"replicas": 0}}, "Bearer sidecar-token")

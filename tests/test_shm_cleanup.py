@@ -3,8 +3,8 @@
 import mmap
 import os
 
-from tests.conftest import SHM, SHM_BUFFER_NAME, release_shm_buffers
-from tests.ports import free_port
+from tests.support.ports import free_port
+from tests.support.shm import SHM, SHM_BUFFER_NAME, release_shm_buffers
 
 
 def test_a_session_releases_only_the_unmapped_buffers_of_its_own_ports():

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import wait_for
-from tests.helm_template import CHART, HELM, ROOT, render_chart
-from tests.ports import free_port
-from tests.prometheus import DASHBOARD, PROMETHEUS, dashboard_queries, query, scraping
+from tests.support.chart import CHART, HELM, ROOT, pod_script, render_chart
+from tests.support.harness import wait_for
+from tests.support.ports import free_port
+from tests.support.prometheus import DASHBOARD, PROMETHEUS, dashboard_queries, query, scraping
 from train import podstate
 
 SIDECAR = CHART / "files" / "sidecar.py"
@@ -149,7 +149,7 @@ def test_another_workers_sidecar_serves_only_its_own_ranks(state_dir):
 
 def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended(state_dir, tmp_path):
     """The ledger's verdict and rank 0's progress, as the real writers leave them, in the ConfigMap's fields."""
-    sidecar = runpy_sidecar()
+    sidecar = pod_script("sidecar")
     ledger(state_dir, "end 1", tmp=tmp_path, **ledger(state_dir, "begin", tmp=tmp_path))  # attempt 1 failed
     second = ledger(state_dir, "begin", tmp=tmp_path)
     verdict = json.loads((state_dir / podstate.VERDICT).read_text())
@@ -168,17 +168,12 @@ def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended
     assert done["state"] == "done" and "ended with status" not in sidecar.summary({**rank0, **done})
 
 
-def runpy_sidecar():
-    import runpy
-    return type("Sidecar", (), runpy.run_path(str(SIDECAR)))
-
-
 @pytest.mark.parametrize("content", ["[1, 2]", "not json", '{"step": "1e999", "loss": "x" }', '{"state": 7}',
                                      '{"step": true, "steps": 0, "eta_s": -5, "mfu": null, "reason": ["a"]}',
                                      json.dumps({"state": "s" * 10_000, "reason": "r\x1b]0;t\x07" * 10_000,
                                                  "step": 1e300, "goodput_line": "\x1b[2J" * 1000})])
 def test_a_programs_odd_files_are_typed_bounded_and_cleaned(content):
-    sidecar = runpy_sidecar()
+    sidecar = pod_script("sidecar")
     record = json.loads(content) if content.startswith(("{", "[")) else content
     record = record if isinstance(record, dict) else {}
     fields = {**sidecar.progress_fields(record), **sidecar.job_fields(record, {})}
@@ -389,7 +384,7 @@ def test_one_writer_per_key_at_a_bounded_rate_whatever_the_workers(tmp_path):
         server.shutdown()
     patches = [patch for verb, patch, _ in ApiServer.seen if verb == "PATCH"]
     keys = [set(patch["data"]) for patch in patches]
-    progress_keys, job_keys = set(runpy_sidecar().PROGRESS_KEYS), set(runpy_sidecar().JOB_KEYS)
+    progress_keys, job_keys = set(pod_script("sidecar").PROGRESS_KEYS), set(pod_script("sidecar").JOB_KEYS)
     assert all(k <= progress_keys or k <= job_keys for k in keys), keys  # each patch one writer's keys only
     assert ApiServer.data["step"] == "39" and ApiServer.data["state"] == "training", ApiServer.data
     assert all(int(patch["data"].get("step") or 0) < 1000 for patch in patches)  # workers 1, 2: nothing

@@ -4,7 +4,7 @@ deadline, as an account of the release's own; hostile values beside legitimate o
 
 import pytest
 
-from tests.helm_template import HELM, container, hooks, render_chart
+from tests.support.chart import HELM, container, hooks, render_chart
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 

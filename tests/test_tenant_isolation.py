@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from tests.helm_template import CHART, HELM, HelmError, container, env_of, one, render_chart
-from tests.train_run import cpu_ds_config, run_single, write_ds_config
+from tests.support.chart import CHART, HELM, HelmError, container, env_of, one, render_chart
+from tests.support.train_run import cpu_ds_config, run_single, write_ds_config
 from train import checkpoint, conventions
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")

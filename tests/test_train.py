@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.e2e.harness import wait_for
-from tests.train_run import (
+from tests.support.harness import wait_for
+from tests.support.train_run import (
     Ranks,
     cpu_ds_config,
     launch,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_run import cpu_ds_config, run_single, run_train, write_ds_config
+from tests.support.train_run import cpu_ds_config, run_single, run_train, write_ds_config
 from train import checkpoint, dsconfig
 
 TOLERANCE = 2e-3

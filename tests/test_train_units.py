@@ -121,18 +121,18 @@ def test_tokenizer_round_trips_text():
 
 
 def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_path, monkeypatch):
-    from train import rankstate
+    from train import podstate, rankstate
     monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))
     monkeypatch.setenv("RANK", "1")
     for state in rankstate.STATES:
         rankstate.report(state)
-        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state} rank=1\n"
+        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state} rank=1 v={podstate.VERSION}\n"
     state = tmp_path / "ranks" / str(os.getpid())
     rankstate.beat(7)  # the first beat after another state replaces the file
-    assert state.read_text() == "training rank=1 step=7\n"
+    assert state.read_text() == f"training rank=1 step=7 v={podstate.VERSION}\n"
     rankstate.beat(9)  # then written in place: two steps later, the smoothed step time is measured
     words = state.read_text().split()
-    assert words[:3] == ["training", "rank=1", "step=9"] and words[3].startswith("step_s=") and len(words) == 4
+    assert words[:3] == ["training", "rank=1", "step=9"] and words[3].startswith("step_s=") and len(words) == 5
     rankstate.report("saving")  # a new state replaces the file again, and the next beat too
     assert state.read_text().split()[0] == "saving"
     rankstate.beat(10)

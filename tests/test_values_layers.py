@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from scripts import deployctl
-from tests.helm_template import CHART, ROOT
+from tests.support.chart import CHART, ROOT
 from train.config import TrainConfig
 
 VALUES = ROOT / "values"

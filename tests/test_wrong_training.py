@@ -4,9 +4,9 @@ for the ds_config, which the glue and every rank call), naming the key."""
 
 import pytest
 
-from tests.glue_tree import run, set_key
-from tests.helm_template import HELM, HelmError, render_chart
-from tests.train_run import cpu_ds_config, run_single, write_ds_config
+from tests.support.chart import HELM, HelmError, render_chart
+from tests.support.glue_tree import run, set_key
+from tests.support.train_run import cpu_ds_config, run_single, write_ds_config
 from train import dsconfig
 from train.layout import Layout
 

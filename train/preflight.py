@@ -41,8 +41,8 @@ def check(train_package: bool, fills_auto: bool, cpu_ranks: bool, argv: list[str
 
     world_size = int(os.environ.get("DS_WORLD_SIZE", "1"))
     if train_package:
+        from train.checks import check_config
         from train.config import parse_args
-        from train.main import check_config
         cfg = parse_args(argv)
         layout, ds_config, batch = check_config(cfg, world_size)
     else:
@@ -69,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs="*", help="the train package's arguments, after --")
     opts = parser.parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its import-time notes are not this check's output
+    from train import podstate
     from train.config import ConfigError
     from train.dsconfig import DsConfigError
     from train.layout import LayoutError
     try:
+        podstate.check_version(os.environ.get(podstate.PROTOCOL_ENV), "config check")
         print(check(opts.train_package, opts.fills_auto, opts.cpu_ranks, opts.args), flush=True)
-    except (ConfigError, DsConfigError, LayoutError) as err:
+    except (ConfigError, DsConfigError, LayoutError, podstate.VersionSkew) as err:
         print(f"config check failed: {by_value(str(err))}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -33,6 +33,7 @@ import faulthandler
 import json
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -104,8 +105,9 @@ def report(state: str, step: int | None = None) -> None:
     path = _path()
     if path is None:
         return
+    _check_version()
     fields = [state, f"rank={_rank()}", *([f"step={step}"] if step is not None else []),
-              *([f"step_s={_step_s:.3f}"] if _step_s else [])]
+              *([f"step_s={_step_s:.3f}"] if _step_s else []), f"v={podstate.VERSION}"]
     publish(state=state, step=step)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +124,24 @@ def report(state: str, step: int | None = None) -> None:
         pass
 
 
+_version_checked = False
+
+
+def _check_version() -> None:
+    """Once, at the rank's first report: a chart whose pod scripts speak another protocol version would misread
+    this rank (a hang missed, a stop misjudged); the rank stops at start with one line, as for a configuration
+    error."""
+    global _version_checked
+    if _version_checked:
+        return
+    _version_checked = True
+    try:
+        podstate.check_version(os.environ.get(podstate.PROTOCOL_ENV), f"rank {_rank()}")
+    except podstate.VersionSkew as err:
+        print(str(err), file=sys.stderr, flush=True)
+        raise SystemExit(podstate.EXIT_CONFIG_ERROR) from None
+
+
 def beat(step: int) -> None:
     """One line per step for any program: this rank finished `step` (state `training`, fresh heartbeat)."""
     global _last_beat, _step_s, _last_step
@@ -133,7 +153,8 @@ def beat(step: int) -> None:
     if _training_fd is None:
         report("training", step)  # a state change: replaced atomically, so kill-ranks never reads half a word
     else:
-        line = f"training rank={_rank()} step={step} step_s={_step_s:.3f}".ljust(LINE_BYTES - 1) + "\n"
+        line = f"training rank={_rank()} step={step} step_s={_step_s:.3f} v={podstate.VERSION}".ljust(
+            LINE_BYTES - 1) + "\n"
         try:
             os.pwrite(_training_fd, line.encode(), 0)  # same state word, new step: the mtime is the heartbeat
         except OSError:
@@ -160,7 +181,7 @@ def publish(**fields) -> None:
     _progress.update({key: value if not isinstance(value, float) or math.isfinite(value) else str(value)
                       for key, value in fields.items() if value is not None})  # a NaN loss says "nan"
     _progress.update({key: os.environ[env] for key, env in ATTEMPT_ENV.items() if env in os.environ})
-    _progress.update(step_s=round(_step_s, 6), time=time.time())
+    _progress.update(step_s=round(_step_s, 6), time=time.time(), v=podstate.VERSION)
     if _publishing:  # a signal handler interrupted a write: that write's next turn carries this too
         return
     _publishing = True

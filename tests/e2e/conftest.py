@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.e2e.chart_pods import UID
-from tests.e2e.harness import ensure_user, prebuilt_ops_for_pods
+from tests.support.chart_pods import UID
+from tests.support.harness import ensure_user, prebuilt_ops_for_pods
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from scripts.jinja_render import render as render_template
-from tests.e2e.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, e2e_values, render
-from tests.e2e.harness import Cluster, wait, wait_for
-from tests.helm_template import ROOT
+from tests.support.chart import ROOT
+from tests.support.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, e2e_values, render
+from tests.support.harness import Cluster, wait, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 transformers = pytest.importorskip("transformers", reason="the Hugging Face stack (pyproject's hf extra)")

@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from tests.e2e.chart_pods import REASON, UID
-from tests.e2e.harness import Cluster, ensure_user, wait
-from tests.helm_template import hooks, render_chart
+from tests.support.chart import hooks, render_chart
+from tests.support.chart_pods import REASON, UID
+from tests.support.harness import Cluster, ensure_user, wait
 
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 

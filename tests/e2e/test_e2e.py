@@ -4,14 +4,14 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, UID, e2e_values, render
-from tests.e2e.harness import (
+from tests.support.chart import pod_script
+from tests.support.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, UID, e2e_values, render
+from tests.support.harness import (
     ROOT,
     Cluster,
     step_losses,
@@ -20,8 +20,7 @@ from tests.e2e.harness import (
 )
 from train import checkpoint
 
-sys.path.insert(0, str(ROOT / "charts" / "deepspeed-training" / "files"))
-import attempts  # noqa: E402 - the pod script (tests/test_attempts.py)
+attempts = pod_script("attempts")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 def test_the_rendered_chart_trains_across_hosts(shared_dir):

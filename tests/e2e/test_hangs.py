@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from tests.e2e.chart_pods import REASON, e2e_values, render
-from tests.e2e.harness import Cluster, step_losses, wait, wait_for
+from tests.support.chart_pods import REASON, e2e_values, render
+from tests.support.faults import duty_cycle
+from tests.support.harness import Cluster, step_losses, wait, wait_for
 from train import checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -30,16 +31,6 @@ def hang_values(shared_dir, mode: str, steps: int) -> dict:
                                "checkpointSeconds": STEP_BUDGET_S}
     values["worker"]["terminationGracePeriodSeconds"] = 20
     return values
-
-
-def duty_cycle(pid: int, stop: threading.Event, stopped_s: float = 0.03, running_s: float = 0.01) -> None:
-    """Keeps `pid` stopped 3/4 of the time, in slices shorter than its step: a rank on a throttled CPU. (At 1/2,
-    a loaded 2-core machine's own noise broke the 10-step run now and then before the job ended.)"""
-    while not stop.is_set():
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(stopped_s)
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(running_s)
 
 
 def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_retry_resumes(shared_dir):

@@ -6,19 +6,17 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.e2e.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, e2e_values, render
-from tests.e2e.harness import Claims, Cluster, step_losses, wait, wait_for
-from tests.helm_template import CHART
-from tests.train_run import cpu_ds_config
+from tests.support.chart import pod_script
+from tests.support.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, e2e_values, render
+from tests.support.harness import Claims, Cluster, step_losses, wait, wait_for
+from tests.support.train_run import cpu_ds_config
 from train import checkpoint
 
-sys.path.insert(0, str(CHART / "files"))
-import attempts  # noqa: E402 - the pod script (tests/test_attempts.py)
+attempts = pod_script("attempts")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import Claims, Pod, container_env, materialize_volumes, pods_from_render
-from tests.helm_template import render_chart
-from tests.train_run import cpu_ds_config
+from tests.support.chart import render_chart
+from tests.support.harness import Claims, Pod, container_env, materialize_volumes, pods_from_render
+from tests.support.train_run import cpu_ds_config
 from train import checkpoint
 
 IMAGE = os.environ.get("DS_TEST_IMAGE", "")

@@ -1,6 +1,8 @@
 """`render_chart()`: the real `helm template` of the chart, parsed. Tests assert fields of what it returns."""
 
 import copy
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "deepspeed-training"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 IMAGE = {"image": {"repository": "registry.example.com/ml/deepspeed-train"}}
@@ -114,3 +116,13 @@ def container(workload: dict) -> dict:
 
 def env_of(workload: dict) -> dict:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(workload)["env"]}
+
+
+@functools.cache
+def pod_script(name: str):
+    """The chart's pod script files/<name>.py as a module, as the pods run it (it imports its protocol copy from
+    files/generated/ itself): no sys.path of the tests' reaches into the chart."""
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), CHART / "files" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

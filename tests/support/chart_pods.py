@@ -3,9 +3,9 @@
 import base64
 from pathlib import Path
 
-from tests.e2e.harness import namespaces_available
-from tests.helm_template import HELM, ROOT, render_chart
-from tests.train_run import cpu_ds_config
+from tests.support.chart import HELM, ROOT, render_chart
+from tests.support.harness import namespaces_available
+from tests.support.train_run import cpu_ds_config
 
 REASON = namespaces_available() or (None if HELM else "no helm binary; run `make setup`")
 UID = 10001

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from scripts import deployctl
-from tests.helm_template import ROOT
+from tests.support.chart import ROOT
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from tests.helm_template import ROOT
-from tests.ports import free_port
+from tests.support.chart import ROOT
+from tests.support.ports import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARD = ROOT / "charts" / "deepspeed-training" / "dashboards" / "deepspeed-training.json"

@@ -1,10 +1,10 @@
 """A zygote for the tests' rank processes: one interpreter that has imported torch, DeepSpeed and the train
 package, and forks each rank from there. A forked rank runs `python -m train` exactly (runpy, as __main__, its
 own argv, env, cwd, process group, stdout), minus the 2-3 s of imports every new interpreter pays: over the test
-suite's ~100 rank start-ups, minutes. tests/train_run.py starts it and falls back to plain processes for a run
+suite's ~100 rank start-ups, minutes. tests/support/train_run.py starts it and falls back to plain processes for a run
 whose env differs in what is read at import (IMPORT_TIME_ENV). The e2e and cluster tiers start real processes.
 
-Usage: python -u tests/rank_zygote.py SOCKET   (serves until its parent exits)
+Usage: python -u tests/support/rank_zygote.py SOCKET   (serves until its parent exits)
 Protocol, one connection per rank: the client sends a JSON request {"argv", "env", "cwd", "pgid"} with its
 output pipe's write end attached (SCM_RIGHTS); the zygote answers {"pid": N} once the rank is in process group
 pgid (0: its own), then {"status": S} when the rank ends (S as Popen.returncode: the exit code, or -signal).

@@ -14,9 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from tests.ports import free_port
+from tests.support.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The ranks' env starts from this process's env as the session began. Tests call the glue and the config check in
 # this process, and they set DS_ACCELERATOR for DeepSpeed's import (deployctl.quiet_deepspeed, preflight.check):
 # read at each run instead, one such test made every later rank in the worker differ from the zygote in an
@@ -57,7 +57,7 @@ def write_ds_config(tmp: Path, config: dict, name: str = "ds_config.json") -> Pa
 
 
 class ForkedRank:
-    """A rank forked by the zygote (tests/rank_zygote.py): Popen's pid, poll() and wait()."""
+    """A rank forked by the zygote (tests/support/rank_zygote.py): Popen's pid, poll() and wait()."""
 
     def __init__(self, conn: socket.socket, pid: int):
         self.conn, self.pid, self.returncode = conn, pid, None
@@ -95,8 +95,8 @@ class Zygote:
         self.dir = tempfile.mkdtemp(prefix="ds-zygote-")
         self.path = os.path.join(self.dir, "socket")
         self.env = train_env()
-        self.process = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_zygote.py"), self.path],
-                                        cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen([sys.executable, "-u", str(Path(__file__).with_name("rank_zygote.py")),
+                                         self.path], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while not os.path.exists(self.path):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -115,7 +115,7 @@ class Zygote:
         return cls._instance
 
     def serves(self, env: dict) -> bool:
-        from tests.rank_zygote import IMPORT_TIME_ENV
+        from tests.support.rank_zygote import IMPORT_TIME_ENV
 
         return self.process.poll() is None and all(env.get(k) == self.env.get(k) for k in IMPORT_TIME_ENV)
 

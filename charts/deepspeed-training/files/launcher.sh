@@ -63,7 +63,7 @@ while true; do
   run_in_background "$@"
   in_run=""
   log "DeepSpeed exited with status $rc"
-  if ((rc != 0)) && [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
+  if ((rc != 0)) && [[ "${DS_HANG_DETECTION:-off}" == on ]]; then
     # What the workers' watchdogs found, if this run ended in a hang (nothing otherwise): the reports to this log,
     # their records to the ledger, which names the culprit from all of them (attempts.py end).
     # shellcheck disable=SC2059 # the patterns are the protocol's

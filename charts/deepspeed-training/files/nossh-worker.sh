@@ -3,7 +3,7 @@
 # Usage: nossh-worker.sh DEEPSPEED_COMMAND...   (run as DEEPSPEED_COMMAND[0] --node_rank=<index> REST...)
 # Every run starts with the start barrier on worker 0 (gang-barrier.py): all workers between two runs, none
 # with ranks of an earlier run still alive. Then DeepSpeed's launcher starts this node's ranks. The hang
-# watchdog (watchdog.py) runs beside them when DS_HANG_STEP_SECONDS is set, and ends a hung attempt. A failed run is
+# watchdog (watchdog.py) runs beside them when DS_HANG_DETECTION is on, and ends a hung attempt. A failed run is
 # started again, together with the other workers, while the job's failure budget lasts: worker 0 numbers every
 # attempt in the job's ledger at the barrier and records its outcome (attempts.py); a SIGTERM marks it a
 # preemption, which does not count. The pod's exit status is the last run's: success only when the program
@@ -24,7 +24,7 @@ trap 'stopping=1; log "SIGTERM: stopping local ranks"; python3 "$scripts_dir/att
       bash "$scripts_dir/kill-ranks.sh" || true
       if [[ -n "$child" ]]; then kill -TERM "$child" 2> /dev/null || true; else exit "$EXIT_STOPPED"; fi' TERM INT
 
-if [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
+if [[ "${DS_HANG_DETECTION:-off}" == on ]]; then
   python3 "$scripts_dir/watchdog.py" &  # it exits with this script
 fi
 mapfile -t hosts < <(bash "$scripts_dir/hosts.sh" "$DS_CONFIG_DIR/hostfile")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Worker pod entrypoint: run a non-root sshd in the foreground for the launcher's pdsh, and the hang watchdog
-# (watchdog.py) beside it when DS_HANG_STEP_SECONDS is set. On SIGTERM (eviction, scale-down) the local
+# (watchdog.py) beside it when DS_HANG_DETECTION is on. On SIGTERM (eviction, scale-down) the local
 # DeepSpeed ranks get SIGTERM first, so they can save a checkpoint within the pod's grace period, then sshd
 # stops.
 set -euo pipefail
@@ -33,7 +33,7 @@ stop() {
 }
 trap stop TERM INT
 
-if [[ -n "${DS_HANG_STEP_SECONDS:-}" ]]; then
+if [[ "${DS_HANG_DETECTION:-off}" == on ]]; then
   python3 "$scripts_dir/watchdog.py" &  # it exits with this script
 fi
 sshd_bin="$(command -v sshd || echo /usr/sbin/sshd)"

@@ -336,11 +336,14 @@ and the pod need to stop. */}}
 {{- end }}
 - name: DS_RANK_STATE_DIR
   value: {{ include "deepspeed-training.rankStateDir" . | quote }}
+{{ include "deepspeed-training.protocolEnv" . }}
 - name: DS_ATTEMPTS_DIR
   value: {{ include "deepspeed-training.attemptsDir" . | quote }}
 {{- with .Values.hangDetection }}
+# The one switch of the watchdog (files/watchdog.py, in every worker pod), and its budgets.
+- name: DS_HANG_DETECTION
+  value: {{ ternary "on" "off" .enabled | quote }}
 {{- if .enabled }}
-# files/watchdog.py, in every worker pod: it judges the heartbeats in DS_RANK_STATE_DIR.
 - name: DS_HANG_STARTUP_SECONDS
   value: {{ .startupSeconds | int | quote }}
 - name: DS_HANG_STEP_SECONDS
@@ -588,6 +591,13 @@ this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion inde
 {{/* The run-state protocol's constants the templates need: files/generated/podstate.json, from train/podstate.py. */}}
 {{- define "deepspeed-training.podstate" -}}
 {{- .Files.Get "files/generated/podstate.json" }}
+{{- end }}
+
+{{/* The run-state protocol version the chart's pod scripts speak: the ranks and the config check refuse another. */}}
+{{- define "deepspeed-training.protocolEnv" -}}
+{{- $podstate := include "deepspeed-training.podstate" . | fromJson }}
+- name: {{ $podstate.protocolEnv }}
+  value: {{ $podstate.version | int | quote }}
 {{- end }}
 
 {{/* Job settings shared by the launcher Job (ssh) and the workers' Job (nossh). */}}
