@@ -47,7 +47,7 @@ require-env = $(if $(ENV),,$(error ENV is required: `make $@ ENV=dev`; environme
   $(call one-of,$(ENV),$(ENVS)),,$(error ENV $(call quoted,$(ENV)): not an environment under values/; expected one of: \
   $(ENVS)))$(check-project)
 require-project = $(if $(PROJECT),,$(error PROJECT is required for $@: `make $@ ENV=$(or $(ENV),prod) PROJECT=example`))
-DEPLOYCTL = python scripts/deployctl.py --env "$$ENV" $(if $(PROJECT),--project "$$PROJECT") \
+DEPLOYCTL = python -m scripts.deployctl --env "$$ENV" $(if $(PROJECT),--project "$$PROJECT") \
   $(if $(KUBE_CONTEXT),--kube-context "$$KUBE_CONTEXT") $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run) \
   $(if $(filter 1 true yes,$(WAIT)),--wait)
 
@@ -107,7 +107,7 @@ status: ## Where the release's run stands: its progress ConfigMap (step, loss, E
 .PHONY: demo
 demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.
 	$(check-project)
-	python scripts/deployctl.py --env dev $(if $(PROJECT),--project "$$PROJECT") demo
+	python -m scripts.deployctl --env dev $(if $(PROJECT),--project "$$PROJECT") demo
 
 ##@ Development
 

@@ -1,4 +1,4 @@
-"""scripts/deployctl.py: layering, derived fields, validation before anything reaches a cluster."""
+"""scripts/deployctl/: layering, derived fields, validation before anything reaches a cluster."""
 
 import json
 import shutil

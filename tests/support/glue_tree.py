@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from scripts import deployctl
+from scripts.deployctl import common
 from tests.support.chart import ROOT
 
 
@@ -14,10 +15,10 @@ def tree(tmp_path, monkeypatch):
     """A copy of values/ and templates/ to break; build/ goes to tmp as well."""
     shutil.copytree(ROOT / "values", tmp_path / "values")
     shutil.copytree(ROOT / "templates", tmp_path / "templates")
-    monkeypatch.setattr(deployctl, "VALUES", tmp_path / "values")
-    monkeypatch.setattr(deployctl, "TEMPLATES", tmp_path / "templates")
-    monkeypatch.setattr(deployctl, "BUILD", tmp_path / "build")
-    monkeypatch.setattr(deployctl, "ROOT", tmp_path)
+    monkeypatch.setattr(common, "VALUES", tmp_path / "values")
+    monkeypatch.setattr(common, "TEMPLATES", tmp_path / "templates")
+    monkeypatch.setattr(common, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(common, "ROOT", tmp_path)
     return tmp_path
 
 
