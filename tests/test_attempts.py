@@ -106,9 +106,9 @@ def test_hostile_job_uids_and_hostnames_stay_one_path_component(tmp_path):
 def test_the_charts_pod_failure_policy_and_ledger_place_match_attempts_py():
     """The exit status attempts.py ends a spent budget with fails the Job; a SIGTERM stop (143) spends nothing.
     The launcher mounts a shared claim for the ledger; the ledger is where both modes' owners write it."""
-    for values, ledger in (({"checkpoints": {"existingClaim": "ckpt"}}, "/checkpoints/attempts"),
+    for values, ledger in (({"checkpoints": {"existingClaim": "ckpt"}}, "/checkpoints/_job/attempts"),
                            ({}, "/tmp/deepspeed-ranks/attempts"),
-                           ({"launchMode": "nossh"}, "/checkpoints/attempts")):
+                           ({"launchMode": "nossh"}, "/checkpoints/_job/attempts")):
         docs = render_chart(values)
         job = next(d for d in docs if d["kind"] == "Job")
         rules = job["spec"]["podFailurePolicy"]["rules"]
@@ -175,3 +175,62 @@ def test_nossh_the_reports_that_arrive_at_the_barrier_name_the_culprit_after_the
     assert verdict["culprit"] == "rank 1 on w-1" and "stuck outside any collective: in read_the_stuck_mount" in \
         verdict["reason"], verdict
     assert attempts.cause_of(Path(env["DS_ATTEMPT_DIR"]))["culprit"] == "rank 1 on w-1"
+
+
+def test_an_upgrade_keeps_the_jobs_budget_and_a_reinstall_starts_a_fresh_one(tmp_path):
+    """The ledger is keyed by the release's install (the sidecar's job.id: the progress ConfigMap's uid, which an
+    upgrade keeps), not by the Job's uid, which every revision's Job has anew."""
+    state = tmp_path / "ranks"
+    state.mkdir()
+    (state / podstate.JOB_ID_FILE).write_text("cm-uid-1\n")
+    first = {podstate.STATE_DIR_ENV: str(state), "DS_JOB_UID": "job-revision-1"}
+    env = {**dict(line.split("=", 1) for line in run(tmp_path, "begin", env=first).stdout.splitlines()), **first}
+    run(tmp_path, "end", "1", env=env)
+    upgraded = run(tmp_path, "begin", env={**first, "DS_JOB_UID": "job-revision-2"})  # helm upgrade: a new Job
+    assert "attempt 2 (1 of 3 failures used, 0 preemptions)" in upgraded.stderr, upgraded.stderr
+    (state / podstate.JOB_ID_FILE).write_text("cm-uid-2\n")  # helm uninstall + install: a new ConfigMap
+    reinstalled = run(tmp_path, "begin", env={**first, "DS_JOB_UID": "job-revision-1"})
+    assert "attempt 1 (0 of 3 failures used, 0 preemptions)" in reinstalled.stderr, reinstalled.stderr
+    (state / podstate.JOB_ID_FILE).write_text("\n")  # no API (no token): the Job's uid, as before
+    assert "attempt 1 " in run(tmp_path, "begin", env={**first, "DS_JOB_UID": "job-3"}).stderr
+
+
+def test_an_upgrade_after_the_job_failed_gets_a_fresh_budget_and_the_failed_job_stays_failed(tmp_path):
+    """The fix for a spent budget is a `helm upgrade` (a new Job of the same install): it counts afresh, from its own
+    first attempt, while pods of the Job that spent it keep failing; the attempt numbers and history continue."""
+    state = tmp_path / "ranks"
+    state.mkdir()
+    (state / podstate.JOB_ID_FILE).write_text("cm-uid-1\n")
+    failed = {podstate.STATE_DIR_ENV: str(state), "DS_JOB_UID": "job-revision-1", "DS_RUN_RETRIES": "1"}
+    for _ in range(2):
+        env = {**dict(line.split("=", 1) for line in run(tmp_path, "begin", env=failed).stdout.splitlines()), **failed}
+        run(tmp_path, "end", "1", env=env)
+    assert run(tmp_path, "begin", env=failed).returncode == attempts.BUDGET_SPENT
+    assert run(tmp_path, "begin", env=failed).returncode == attempts.BUDGET_SPENT  # a new pod of that Job
+    fixed = {**failed, "DS_JOB_UID": "job-revision-2"}
+    result = run(tmp_path, "begin", env=fixed)
+    assert result.returncode == 0 and "attempt 3 (0 of 1 failures used, 0 preemptions)" in result.stderr, result.stderr
+    env = {**dict(line.split("=", 1) for line in result.stdout.splitlines()), **fixed}
+    run(tmp_path, "end", "1", env=env)
+    again = run(tmp_path, "begin", env=fixed)
+    assert "attempt 4 (1 of 1 failures used, 0 preemptions)" in again.stderr, again.stderr
+    env = {**dict(line.split("=", 1) for line in again.stdout.splitlines()), **fixed}
+    run(tmp_path, "end", "1", env=env)
+    assert run(tmp_path, "begin", env=fixed).returncode == attempts.BUDGET_SPENT  # its own budget, spent in turn
+    assert run(tmp_path, "begin", env=failed).returncode == attempts.BUDGET_SPENT
+
+
+def test_the_ledger_moves_into_the_charts_folder_once_and_old_installs_are_pruned(tmp_path):
+    """A release upgraded from the layout before _job/ keeps its budget (its ledger is moved, once); the ledgers of
+    earlier installs beyond podstate.KEEP_JOBS go."""
+    old = tmp_path / "ckpt" / "attempts"
+    for job in ("a", "b", "c", "d", "e"):
+        (old / job / "0001").mkdir(parents=True)
+        (old / job / "0001" / "outcome").write_text("1\n")
+        os.utime(old / job, (1000 + ord(job), 1000 + ord(job)))
+    env = {"DS_ATTEMPTS_DIR": str(tmp_path / "ckpt" / podstate.JOB_DIR / "attempts"), "DS_JOB_UID": "e"}
+    result = run(tmp_path, "begin", env=env)
+    assert "attempt 2 (1 of 3 failures used, 0 preemptions)" in result.stderr, result.stderr
+    assert not old.exists()
+    kept = sorted(p.name for p in (tmp_path / "ckpt" / podstate.JOB_DIR / "attempts").iterdir())
+    assert kept == ["b", "c", "d", "e"], kept  # the current job and the 3 newest others

@@ -264,7 +264,9 @@ def test_the_progress_role_patches_one_configmap_and_only_the_sidecar_holds_its_
         assert sidecar["image"] == pod["containers"][0]["image"]  # progress.image empty: the workers' image
         assert sidecar["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
         assert sidecar["securityContext"] == pod["containers"][0]["securityContext"]
-        assert {"name": "tmp", "mountPath": "/tmp", "readOnly": True} in sidecar["volumeMounts"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in sidecar["volumeMounts"]  # it writes the job's identity there
+        # the main container starts once it has (a native sidecar's startupProbe)
+        assert sidecar["startupProbe"]["exec"]["command"] == ["test", "-f", "/tmp/deepspeed-ranks/job.id"]
         token = next(v for v in pod["volumes"] if v["name"] == "progress-token")["projected"]["sources"]
         assert token[0] == {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}}
 

@@ -151,3 +151,24 @@ def test_a_chart_of_another_protocol_version_is_refused_at_the_check_and_at_the_
     assert rank.returncode == podstate.EXIT_CONFIG_ERROR, rank.stderr
     assert "rank 0: the chart's pod scripts speak run-state protocol version 99" in rank.stderr
     assert "Traceback" not in rank.stderr
+
+
+def test_the_readers_write_replaces_a_planted_link_instead_of_writing_through_it(tmp_path):
+    state = tmp_path / "ranks"
+    state.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("unchanged")
+    (state / podstate.JOB_ID_FILE).symlink_to(victim)
+    assert podstate.StateDir(state).write(podstate.JOB_ID_FILE, "uid\n")
+    assert victim.read_text() == "unchanged" and (state / podstate.JOB_ID_FILE).read_text() == "uid\n"
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path / "elsewhere")
+    assert not podstate.StateDir(linked).write(podstate.JOB_ID_FILE, "uid\n")  # a linked directory: nothing
+
+
+def test_pruning_keeps_the_newest_and_the_spared(tmp_path):
+    for i in range(12):
+        (tmp_path / f"run-{i:04d}-a").mkdir()
+        os.utime(tmp_path / f"run-{i:04d}-a", (1000 + i, 1000 + i))
+    podstate.prune(tmp_path, podstate.KEEP_RUNS, spare="run-0000-a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-0000-a"] + [f"run-{i:04d}-a" for i in range(2, 12)]

@@ -231,6 +231,9 @@ def test_goodput_splits_every_attempt_and_leaves_odd_records_out(tmp_path, monke
     monkeypatch.setenv("DS_ATTEMPT", "3")
     monkeypatch.setenv("DS_ATTEMPT_BEGUN", str(t0 + 72))
     third = goodput.Goodput(tmp_path, 30, 1.5)
+    # The records and the reports of a release from the layout before _job/ are moved there once, and read.
+    assert (tmp_path / "_job" / "goodput" / "abcd1234").is_dir() and not (tmp_path / "goodput").exists()
+    assert (tmp_path / "_job" / "diagnostics" / "run-0002-abcd1234" / "w-1.txt").exists()
     third.step(31, t0 + 80, 1.0)
     third.saved(31, 0.5)
     third.record["updated"] = t0 + 81.5

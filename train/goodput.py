@@ -2,9 +2,10 @@
 recomputation (steps a failure lost, trained again from the last complete checkpoint), time hung, and what none of
 them measured (`unaccounted`, reported, never folded in).
 
-Rank 0 keeps one record per attempt in <checkpoint_dir>/goodput/<job>/<begun ms>-<attempt>.json (replaced atomically,
-at most every FLUSH_S, at every save and at the end), and beside it the same name .step, one fixed-width line that
-every step rewrites in place (one pwrite, as the heartbeat: `last_step productive_s updated`); wall-clock times:
+Rank 0 keeps one record per attempt in <checkpoint_dir>/_job/goodput/<job>/<begun ms>-<attempt>.json (replaced
+atomically, at most every FLUSH_S, at every save and at the end), and beside it the same name .step, one fixed-width
+line that every step rewrites in place (one pwrite, as the heartbeat: `last_step productive_s updated`); wall-clock
+times:
 - `begun`: when the attempt began (DS_ATTEMPT_BEGUN from the chart's ledger, files/attempts.py; else this
   process's start)
 - `first_step`: when its first step started; `restore_s`: its checkpoint load; `save_s`: its saves
@@ -12,7 +13,7 @@ every step rewrites in place (one pwrite, as the heartbeat: `last_step productiv
   trains again count as recomputation instead
 - `resumed_from`, `last_step`, `updated` (the end of its last step or save), `run` (DS_RUN_ID)
 An attempt spans from the end of the one before (its `updated`; after a hang, the watchdog's report in
-diagnostics/<run>/, written just before it killed the ranks, and the time since `updated` is time hung) to its own
+_job/diagnostics/<run>/, written just before it killed the ranks, and the time since `updated` is time hung) to its own
 end. Start-up is the part of that span before its first step, less the restore: for a retry it includes noticing
 the failure and starting the ranks again. The job's wall time runs from its first attempt's `begun` to the last end.
 """
@@ -46,7 +47,12 @@ class Goodput:
 
     def __init__(self, ckpt_dir: Path | None, resumed_from: int, restore_s: float):
         run = os.environ.get("DS_RUN_ID", "")
-        self.directory = ckpt_dir / "goodput" / (run.rsplit("-", 1)[-1] if run else "local") if ckpt_dir else None
+        parsed = podstate.parse_run_id(run)
+        self.directory = podstate.job_path(ckpt_dir, podstate.GOODPUT) / (parsed[1] if parsed else "local") \
+            if ckpt_dir else None
+        if self.directory:
+            podstate.prune(self.directory.parent, podstate.KEEP_JOBS, spare=self.directory.name)
+        self.diagnostics = podstate.job_path(ckpt_dir, podstate.DIAGNOSTICS) if ckpt_dir else None  # the watchdogs'
         attempt = os.environ.get("DS_ATTEMPT", "")
         try:
             begun = float(os.environ.get("DS_ATTEMPT_BEGUN", ""))
@@ -161,7 +167,7 @@ class Goodput:
             return None
         if run not in self._hangs:
             times = []
-            for path in (self.directory.parent.parent / "diagnostics" / run).glob("*.txt"):
+            for path in (self.diagnostics / run).glob("*.txt"):
                 try:
                     times.append(path.stat().st_mtime)
                 except OSError:

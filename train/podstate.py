@@ -71,6 +71,18 @@ HOST_REPORTS = "hosts"
 ATTEMPT_ENV_FILE = "attempt.env"
 RANK_FILE = re.compile(r"[0-9]{1,10}")  # a rank's <pid>
 
+# ---- the chart's bookkeeping in the release's checkpoint directory (DS_CHECKPOINT_DIR): one folder, beside the
+# program's checkpoints, each subtree with one writer: the ledger's owner (ATTEMPTS: attempts/<job>/NNNN), the
+# watchdogs (DIAGNOSTICS: diagnostics/<run>/<host>.txt, the stacks), rank 0 (GOODPUT: goodput/<job>/*.json). Pruned:
+# the last KEEP_RUNS runs' diagnostics, the last KEEP_JOBS jobs' ledgers and goodput records.
+JOB_DIR = "_job"
+ATTEMPTS, DIAGNOSTICS, GOODPUT = "attempts", "diagnostics", "goodput"
+KEEP_RUNS = 10
+KEEP_JOBS = 3
+# The job: the release's install, which upgrades keep and a reinstall replaces: its progress ConfigMap's uid, which
+# the sidecar writes here before the pod's main container starts (its startupProbe); without it the Job's uid.
+JOB_ID_FILE = "job.id"
+
 # ---- the attempt, for every rank (attempts.py writes them; published in progress.json and verdict.json under the
 # left-hand names)
 ATTEMPT_ENV = {"run": "DS_RUN_ID", "attempt_dir": "DS_ATTEMPT_DIR", "attempt": "DS_ATTEMPT",
@@ -100,6 +112,41 @@ def parse_run_id(run: str) -> tuple[int, str] | None:
     """(attempt, job) of a run ID, or None."""
     match = re.fullmatch(r"run-(\d{4,})-([A-Za-z0-9]{1,8})", run or "")
     return (int(match[1]), match[2]) if match else None
+
+
+def job_path(checkpoint_dir: Path, subtree: str) -> Path:
+    """`<checkpoint_dir>/_job/<subtree>`; a subtree still at the layout before _job (`<checkpoint_dir>/<subtree>`,
+    an upgrade of a running release) is moved there first, once (a rename on one volume), so that its budget and
+    history carry over."""
+    new, old = Path(checkpoint_dir) / JOB_DIR / subtree, Path(checkpoint_dir) / subtree
+    if not new.exists() and old.is_dir() and not old.is_symlink():
+        try:
+            new.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(old, new)
+        except OSError:
+            pass  # another writer moved it first, or it cannot be moved: the new place starts empty
+    return new
+
+
+def prune(directory: Path, keep: int, spare: str = "") -> None:
+    """Removes all but the `keep` newest entries (by mtime) of `directory`, never `spare`; errors are ignored."""
+    import shutil
+
+    try:
+        entries = sorted((p for p in Path(directory).iterdir() if p.name != spare and not p.name.startswith(".")),
+                         key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return
+    for stale in entries[keep:]:
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() and not stale.is_symlink() else \
+            stale.unlink(missing_ok=True)
+
+
+def job_id(state_dir: str | None, fallback: str) -> str:
+    """The job's identity (JOB_ID_FILE, the sidecar's), else `fallback` (the Job's uid): one path component."""
+    found = StateDir(Path(state_dir)).read(JOB_ID_FILE, 64) if state_dir else None
+    text = found[0].decode(errors="replace").strip() if found else ""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text or fallback)
 
 
 class VersionSkew(Exception):
@@ -244,6 +291,34 @@ class StateDir:
         finally:
             os.close(fd)
 
+    def write(self, name: str, text: str) -> bool:
+        """Replaces the file `name` with `text`, through the directory opened without following a link (made if
+        absent) and a fresh temporary file beside it: a link planted there is replaced, never written through."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        fd = self._open()
+        if fd is None:
+            return False
+        tmp = f".{name}.{os.getpid()}.tmp"
+        try:
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
+            try:
+                os.write(out, text.encode())
+            finally:
+                os.close(out)
+            os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            return True
+        except OSError:
+            try:
+                os.unlink(tmp, dir_fd=fd)
+            except OSError:
+                pass
+            return False
+        finally:
+            os.close(fd)
+
     def subdir(self, name: str) -> "StateDir":
         return StateDir(self.path / name)
 
@@ -315,7 +390,8 @@ def chart_constants() -> dict:
     """files/generated/podstate.json: what the chart's templates need of this module (the Job's failure policy, the
     version the chart's scripts speak)."""
     return {"version": VERSION, "protocolEnv": PROTOCOL_ENV, "exitConfigError": EXIT_CONFIG_ERROR,
-            "exitBudgetSpent": EXIT_BUDGET_SPENT, "exitStopped": EXIT_STOPPED, "stateDirEnv": STATE_DIR_ENV}
+            "exitBudgetSpent": EXIT_BUDGET_SPENT, "exitStopped": EXIT_STOPPED, "stateDirEnv": STATE_DIR_ENV,
+            "jobDir": JOB_DIR, "attempts": ATTEMPTS, "jobIdFile": JOB_ID_FILE}
 
 
 def shell_constants() -> str:

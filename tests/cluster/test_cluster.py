@@ -402,7 +402,7 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
     assert resumed and saved_before_stop <= int(resumed[1]) < steps, retry[-4000:]
     assert f"INFO step {steps}/{steps}" in retry, retry[-4000:]
     # The stacks behind the report (in a step's all_reduce, or a save's collective when the stop hit a save).
-    stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/diagnostics/run-*/*worker-0.txt")
+    stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/_job/diagnostics/run-*/*worker-0.txt")
     assert f"in {waits[1]}" in stacks
 
 
@@ -533,6 +533,9 @@ def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_templa
     logs = wait_for(trained_on_after_resuming, 400, "the new launcher to resume and train 20 steps",
                     lambda: diagnose(namespace))
     assert not get("job", second, namespace)["status"].get("failed")
+    # The upgrade's new Job continues the release's ledger (keyed by the install, not the Job): the first Job's
+    # attempt, stopped by the upgrade, is a preemption.
+    assert "attempts: attempt 2 (0 of 2 failures used, 1 preemption)" in logs, logs[:3000]
     assert "launcher: retry" not in logs, logs[:logs.index("launcher: retry")][-8000:]  # the failed first run
     stop_endless_job(namespace)
     print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)

@@ -76,7 +76,7 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
         detected_at = wait_for(lambda: "hang on" in launcher.log(), 60, "the hang report", launcher.log)
         code = wait(run, timeout=300)
         log = launcher.log()
-        reports = list((ckpt / "diagnostics").glob("run-*/*.txt"))
+        reports = list((ckpt / "_job" / "diagnostics").glob("run-*/*.txt"))
         reported = min(p.stat().st_mtime for p in reports) - stopped_wall if reports else None
         published = cluster.progress(workers[0])  # rank 0's, for the progress sidecar: the split unrounded
     assert code == 0, log[-5000:]

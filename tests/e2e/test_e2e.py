@@ -165,7 +165,7 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
         # also holds up to 5 steps per attempt before the first logged one.
         assert abs(split["startup"] + split["restore"] - startup_seen) < max(0.02 * split["wall"], 3), \
             (split, startup_seen)
-        records = sorted((cluster.checkpoint_dir() / "goodput").glob("*/*.json"))
+        records = sorted((cluster.checkpoint_dir() / "_job" / "goodput").glob("*/*.json"))
         assert len(records) == 6, records
         attempts_ = [json.loads(r.read_text()) for r in records]
         for stopped in (2, 4):  # attempts 3 and 5: the next resumed where they stopped
@@ -181,7 +181,7 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
         # A preemption lost no step: the next attempt resumed at the step the ranks stopped and saved at.
         resumed = [int(r) for r in re.findall(r"resumed from \S+ at step (\d+)", "".join(pod_logs) + log)]
         assert all(step in resumed for step in preempted_at), (preempted_at, resumed)
-        ledger = next((cluster.checkpoint_dir() / "attempts").iterdir())
+        ledger = next((cluster.checkpoint_dir() / "_job" / "attempts").iterdir())
         assert [attempts.verdict(a) for a in attempts.numbered(ledger)] == [
             "failure", "failure", "preemption", "failure", "preemption", "success"]
 

@@ -65,7 +65,7 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
         # The job's verdict, from both hosts' reports: the stopped rank on the second host, not the first host's rank
         # that waits for it in a collective (what the progress ConfigMap showed before).
-        [cause] = [json.loads(p.read_text()) for p in (ckpt / "attempts").glob("*/0001/cause.json")]
+        [cause] = [json.loads(p.read_text()) for p in (ckpt / "_job" / "attempts").glob("*/0001/cause.json")]
         assert cause["culprit"] == f"rank 1 on {workers[1].hostname}", cause
         assert f"hang: rank 1 on {workers[1].hostname} is the likely culprit (its process is stopped, after step " \
                in cause["reason"] and f"(rank 0 on {workers[0].hostname})" in cause["reason"], cause
@@ -75,11 +75,11 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: (\w+) .*; last "
                             r"recorded collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log)
         assert waiting, "\n".join(line for line in log.splitlines() if "hang on" in line or "rank " in line)
-        diagnostics = list((ckpt / "diagnostics").glob("run-*/*.txt"))
+        diagnostics = list((ckpt / "_job" / "diagnostics").glob("run-*/*.txt"))
         assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
         assert any("File " in p.read_text() and f"in {waiting[1]}" in p.read_text() for p in diagnostics)
-        recorders = list((ckpt / "diagnostics").glob("run-*/*-rank0.fr.json"))
-        assert len(recorders) == 1 and not list((ckpt / "diagnostics").glob("run-*/*-rank1.fr.json"))
+        recorders = list((ckpt / "_job" / "diagnostics").glob("run-*/*-rank0.fr.json"))
+        assert len(recorders) == 1 and not list((ckpt / "_job" / "diagnostics").glob("run-*/*-rank1.fr.json"))
         entries = json.loads(recorders[0].read_text())["entries"]
         pending = [e for e in entries if not e["retired"]]
         oldest = min(pending, key=lambda e: e["record_id"])
@@ -116,7 +116,7 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         assert re.search(r"made no progress for \d+s \(budget 10s, training after step 49\)", log1), log1[-4000:]
         ckpt = cluster.checkpoint_dir()
         run = re.search(r"hang on \S+ \((run-\S+)\)", log1).group(1)
-        assert "read_the_stuck_mount" in (ckpt / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
+        assert "read_the_stuck_mount" in (ckpt / "_job" / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
         # Its flight recorder: every collective it started completed. Rank 0's, when worker 0's watchdog saw the
         # stall before rank 1 was ended (both judge the same last step), waits in the next one.
         culprit = re.search(r"likely the culprit: .*; last recorded collective #(\d+) gloo:\w+ in group (\S+) "
@@ -126,7 +126,7 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
                             r"collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log0)
         assert waiting is None or waiting[2] != culprit[2] or int(waiting[1]) == int(culprit[1]) + 1, log0[-3000:]
         # The job's verdict, from both workers' reports at the start barrier: the blocked rank on the second host.
-        [cause] = [json.loads(p.read_text()) for p in (ckpt / "attempts").glob("*/0001/cause.json")]
+        [cause] = [json.loads(p.read_text()) for p in (ckpt / "_job" / "attempts").glob("*/0001/cause.json")]
         assert cause["culprit"] == f"rank 1 on {worker1.hostname}", cause
         assert "is the likely culprit (it is stuck outside any collective: in read_the_stuck_mount" in \
             cause["reason"], cause

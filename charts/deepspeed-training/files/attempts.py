@@ -1,7 +1,7 @@
 """The job's attempts and its failure budget, kept where a new pod finds them: DS_ATTEMPTS_DIR/<job>/, where
-<job> is the Job's uid (DS_JOB_UID; a reinstall is a new Job with a fresh budget). DS_ATTEMPTS_DIR is in the
-release's checkpoint directory when the attempt's owner mounts a shared claim; otherwise in the pod's /tmp, where
-the count starts again with each pod. One directory per attempt (0001, 0002, ...) holding:
+<job> is the release's install (job_dir). DS_ATTEMPTS_DIR is in the release's checkpoint directory when the
+attempt's owner mounts a shared claim; otherwise in the pod's /tmp, where the count starts again with each pod.
+One directory per attempt (0001, 0002, ...) holding:
 
     outcome          the run's exit status, written by the attempt's owner (ssh: the launcher; nossh: worker 0)
     cause.json       why it ended, in one line (`reason`), and the culprit of a hang: from every host's hang report
@@ -12,7 +12,9 @@ the count starts again with each pod. One directory per attempt (0001, 0002, ...
 
 An attempt with a stopped-* file is a preemption, one with outcome 0 a success, any other a failure (a failed
 run, or an owner that died before writing the outcome: a lost node). Only failures spend the budget
-(DS_RUN_RETRIES failed attempts are started again).
+(DS_RUN_RETRIES failed attempts are started again). A Job that finds the budget spent fails, and is recorded in
+budget.json; a later Job of the install (a `helm upgrade` after the job failed: the fix) counts a fresh budget from
+its own first attempt, while an upgrade during a run continues the running budget.
 
 Each also says where the job stands in the state directory's VERDICT (train/podstate.py: JSON, replaced atomically:
 state, reason, culprit and the attempt counter), which the pod's sidecar (sidecar.py) publishes. The hang reports it
@@ -47,9 +49,20 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.-]")  # every value is pasted into a remote sh
 STOPPED = "stopped by SIGTERM (a preemption: not counted against the failure budget)"
 
 
+def ledger_root() -> Path:
+    """DS_ATTEMPTS_DIR: in the release's checkpoint directory's _job/ (moved there from the layout before it once,
+    podstate.job_path), or the pod's /tmp."""
+    root = Path(os.environ.get("DS_ATTEMPTS_DIR") or "/tmp/deepspeed-attempts")
+    if root.parent.name == podstate.JOB_DIR:
+        podstate.job_path(root.parent.parent, root.name)
+    return root
+
+
 def job_dir() -> Path:
-    job = _SAFE.sub("_", os.environ.get("DS_JOB_UID", "")) or "pod-" + _SAFE.sub("_", socket.gethostname())
-    return Path(os.environ.get("DS_ATTEMPTS_DIR") or "/tmp/deepspeed-attempts") / job
+    """The job's ledger: keyed by the release's install (the sidecar's job.id), so that an upgrade keeps the
+    budget and a reinstall starts a fresh one; without it by the Job's uid."""
+    fallback = os.environ.get("DS_JOB_UID", "") or "pod-" + socket.gethostname()
+    return ledger_root() / podstate.job_id(os.environ.get(podstate.STATE_DIR_ENV), fallback)
 
 
 def numbered(directory: Path) -> list[Path]:
@@ -66,11 +79,39 @@ def verdict(attempt: Path) -> str:
         return "failure"  # its owner died with it
 
 
+BUDGET_RECORD = "budget.json"  # {"counts_from": N, "opened_by": Job uid, "spent_by": [Job uids]}
+
+
+def budget_record(directory: Path) -> dict:
+    try:
+        record = json.loads((directory / BUDGET_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def tally(directory: Path) -> tuple[int, int, int]:
-    """(attempts, failures, preemptions) so far."""
+    """(attempts so far, failures and preemptions since the budget counts)."""
     attempts = numbered(directory)
-    verdicts = [verdict(a) for a in attempts]
+    first = budget_record(directory).get("counts_from", 1)
+    verdicts = [verdict(a) for a in attempts if int(a.name) >= first]
     return len(attempts), verdicts.count("failure"), verdicts.count("preemption")
+
+
+def spent(directory: Path, count: int) -> bool:
+    """Called when the failures exceed the budget: whether this Job fails. A Job that found the budget spent is
+    recorded and always fails; a later Job of the install (not among them, not the one that opened this budget) is the
+    fix, and opens a fresh budget from its first attempt."""
+    job = os.environ.get("DS_JOB_UID", "")
+    record = budget_record(directory)
+    spenders = [str(uid) for uid in record.get("spent_by", [])]
+    if job and spenders and job not in spenders and job != record.get("opened_by"):
+        podstate.atomic_write(directory / BUDGET_RECORD, json.dumps(
+            {"counts_from": count + 1, "opened_by": job, "spent_by": spenders}) + "\n")
+        return False
+    if job and job not in spenders:
+        podstate.atomic_write(directory / BUDGET_RECORD, json.dumps({**record, "spent_by": [*spenders, job]}) + "\n")
+    return True
 
 
 def budget() -> int:
@@ -95,7 +136,10 @@ def begin() -> tuple[dict[str, str] | None, str]:
     """The next attempt's env and its summary line, or (None, why) when the failures exceed the budget."""
     directory = job_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    podstate.prune(directory.parent, podstate.KEEP_JOBS, spare=directory.name)  # earlier installs' ledgers
     count, failures, preemptions = tally(directory)
+    if failures > budget() and not spent(directory, count):
+        count, failures, preemptions = tally(directory)
     previous = numbered(directory)[-1:] or [None]
     last = cause_of(previous[0]) if previous[0] and verdict(previous[0]) != "success" else {}
     if failures > budget():
@@ -262,7 +306,7 @@ def _ranks_attempts() -> set[str]:
 def stopped() -> list[str]:
     """Marks the running attempt(s) of this pod as preempted; the ones marked. Only inside DS_ATTEMPTS_DIR, and
     not once the owner recorded an outcome (the SIGTERM came after the run)."""
-    root = Path(os.environ.get("DS_ATTEMPTS_DIR") or "/tmp/deepspeed-attempts").resolve()
+    root = ledger_root().resolve()
     own = os.environ.get(podstate.ATTEMPT_ENV["attempt_dir"])
     marked = []
     for attempt in sorted({own} if own else _ranks_attempts()):

@@ -281,6 +281,58 @@ class Publisher:
         return done
 
 
+# Every metric a sidecar serves, the one list (docs/observability.md's table is generated from it): (name after
+# METRIC_, label, what it is, which pod serves it, the record's key). The label's values come from fixed sets
+# (podstate's goodput buckets and job states, ranks below --world-size); `release` comes from the pod's own labels.
+METRICS = (
+    ("step", "", "the last step rank 0 reported", "node rank 0", "step"),
+    ("steps", "", "the steps the run trains for", "node rank 0", "steps"),
+    ("loss", "", "rank 0's last logged loss (the mean over ranks)", "node rank 0", "loss"),
+    ("learning_rate", "", "the last logged learning rate", "node rank 0", "lr"),
+    ("tokens_per_second", "", "tokens a second over the last logged interval", "node rank 0", "tokens_per_s"),
+    ("mfu_ratio", "", "model FLOPs utilisation over the last logged interval", "node rank 0", "mfu"),
+    ("eta_seconds", "", "seconds left at the recent pace", "node rank 0", "eta_s"),
+    ("checkpoint_step", "", "the step of the last complete checkpoint", "node rank 0", "checkpoint_step"),
+    ("checkpoint_save_seconds", "", "seconds the last checkpoint save took", "node rank 0", "checkpoint_save_s"),
+    ("progress_age_seconds", "", "seconds since rank 0 last reported", "node rank 0", "time"),
+    ("goodput_seconds", "bucket", "the job's wall time so far, by where it went (all attempts; bucket wall is the "
+     "whole)", "node rank 0", "goodput"),
+    ("attempt", "", "the job's attempt number", "the ledger's owner", "attempt"),
+    ("failures", "", "failed attempts so far (the failure budget used)", "the ledger's owner", "failures"),
+    ("failure_budget", "", "failed attempts the job may retry", "the ledger's owner", "failure_budget"),
+    ("preemptions", "", "attempts stopped by SIGTERM (not failures)", "the ledger's owner", "preemptions"),
+    ("state", "state", "the job's state (1 for the current one)", "the ledger's owner", "state"),
+    ("rank_step", "rank", "the last step this rank finished", "every worker", "step"),
+    ("rank_step_seconds", "rank", "this rank's recent seconds per step", "every worker", "step_s"),
+    ("rank_heartbeat_age_seconds", "rank", "seconds since this rank's last report", "every worker", "age"),
+)
+
+
+def samples(pod: Pod, progress: bool, job: bool):
+    """(name, label, doc, [(label value, value)]) of every metric this pod serves now."""
+    record = (pod.record(podstate.PROGRESS) or {}) if progress else {}
+    verdict = (pod.record(podstate.VERDICT) or {}) if job else {}
+    ranks = pod.ranks()
+    for name, label, doc, where, key in METRICS:
+        if where == "node rank 0" and not progress or where == "the ledger's owner" and not job:
+            continue
+        if where == "every worker":
+            values = [(r["rank"], r[key]) for r in ranks if r[key] is not None]
+        elif name == "goodput_seconds":
+            goodput = record.get(key) if isinstance(record.get(key), dict) else {}
+            values = [(bucket, v) for bucket in (*podstate.GOODPUT_BUCKETS, *podstate.GOODPUT_TOTALS)
+                      if (v := podstate.number(goodput.get(bucket))) is not None]
+        elif name == "progress_age_seconds":
+            published = podstate.number(record.get(key))
+            values = [("", max(0.0, time.time() - published))] if published is not None else []
+        elif name == "state":
+            values = [(job_fields(verdict, progress_fields(record) if progress else {})["state"], 1)]
+        else:
+            value = podstate.number((record if where == "node rank 0" else verdict).get(key))
+            values = [("", value)] if value is not None else []
+        yield name, label, doc, values
+
+
 def serve_metrics(pod: Pod, port: int, progress: bool, job: bool) -> bool:
     try:
         from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
@@ -289,58 +341,14 @@ def serve_metrics(pod: Pod, port: int, progress: bool, job: bool) -> bool:
         log(f"no metrics: {err} (the image needs the prometheus_client package)")
         return False
 
-    def gauge(name: str, doc: str, value: float | None):
-        if value is not None:
-            family = GaugeMetricFamily(f"{METRIC}_{name}", doc)
-            family.add_metric([], value)
-            yield family
-
     class Collector:
         def collect(self):
-            if progress:  # rank 0's, in node rank 0's pod
-                record = pod.record(podstate.PROGRESS) or {}
-                for name, key, doc in (
-                        ("step", "step", "the last step rank 0 reported"),
-                        ("steps", "steps", "the steps the run trains for"),
-                        ("loss", "loss", "rank 0's last logged loss (the mean over ranks)"),
-                        ("learning_rate", "lr", "the last logged learning rate"),
-                        ("tokens_per_second", "tokens_per_s", "tokens a second over the last logged interval"),
-                        ("mfu_ratio", "mfu", "model FLOPs utilisation over the last logged interval"),
-                        ("eta_seconds", "eta_s", "seconds left at the recent pace"),
-                        ("checkpoint_step", "checkpoint_step", "the step of the last complete checkpoint"),
-                        ("checkpoint_save_seconds", "checkpoint_save_s", "seconds the last checkpoint save took")):
-                    yield from gauge(name, doc, podstate.number(record.get(key)))
-                if (published := podstate.number(record.get("time"))) is not None:
-                    yield from gauge("progress_age_seconds", "seconds since rank 0 last reported",
-                                     max(0.0, time.time() - published))
-                goodput = record.get("goodput") if isinstance(record.get("goodput"), dict) else {}
-                family = GaugeMetricFamily(f"{METRIC}_goodput_seconds", "the job's wall time so far, by where it "
-                                           "went (all attempts; bucket wall is the whole)", labels=["bucket"])
-                for bucket in (*podstate.GOODPUT_BUCKETS, *podstate.GOODPUT_TOTALS):
-                    if (value := podstate.number(goodput.get(bucket))) is not None:
-                        family.add_metric([bucket], value)
-                yield family
-            if job:  # the ledger's, in its owner's pod
-                verdict = pod.record(podstate.VERDICT) or {}
-                for name, key, doc in (("attempt", "attempt", "the job's attempt number"),
-                                       ("failures", "failures", "failed attempts so far (the failure budget used)"),
-                                       ("failure_budget", "failure_budget", "failed attempts the job may retry"),
-                                       ("preemptions", "preemptions", "attempts stopped by SIGTERM (not failures)")):
-                    yield from gauge(name, doc, podstate.number(verdict.get(key)))
-                state = job_fields(verdict, progress_fields(pod.record(podstate.PROGRESS) or {}) if progress
-                                   else {})["state"]
-                family = GaugeMetricFamily(f"{METRIC}_state", "the job's state (1 for the current one)",
-                                           labels=["state"])
-                family.add_metric([state], 1)
-                yield family
-            ranks = pod.ranks()
-            for name, key, doc in (("rank_step", "step", "the last step this rank finished"),
-                                   ("rank_step_seconds", "step_s", "this rank's recent seconds per step"),
-                                   ("rank_heartbeat_age_seconds", "age", "seconds since this rank's last report")):
-                family = GaugeMetricFamily(f"{METRIC}_{name}", doc, labels=["rank"])
-                for rank in ranks:
-                    if rank[key] is not None:
-                        family.add_metric([rank["rank"]], rank[key])
+            for name, label, doc, values in samples(pod, progress, job):
+                if not values and not label:
+                    continue
+                family = GaugeMetricFamily(f"{METRIC}_{name}", doc, labels=[label] if label else [])
+                for label_value, value in values:
+                    family.add_metric([label_value] if label else [], value)
                 yield family
 
     registry = CollectorRegistry()
@@ -352,6 +360,22 @@ def serve_metrics(pod: Pod, port: int, progress: bool, job: bool) -> bool:
         return False
     log(f"serving metrics on :{port}/metrics")
     return True
+
+
+def write_job_id(pod: Pod, api: Api | None, configmap: str | None) -> None:
+    """The job's identity for the ledger (podstate.JOB_ID_FILE): the progress ConfigMap's uid, which Helm keeps
+    across upgrades and a reinstall replaces; empty without API access (the ledger then keys by the Job's uid).
+    Written before anything else: the pod's main container waits for it (the chart's startupProbe)."""
+    uid = ""
+    if api and configmap:
+        try:
+            api.requests += 1
+            uid = api.core.read_namespaced_config_map(configmap, api.namespace,
+                                                      _request_timeout=API_TIMEOUT).metadata.uid
+        except Exception as err:  # noqa: BLE001 - the ledger falls back to the Job's uid
+            log(f"no job identity from ConfigMap {configmap} ({type(err).__name__}): the ledger keys by the Job")
+    if not pod.dir.write(podstate.JOB_ID_FILE, f"{uid}\n"):
+        log(f"could not write {podstate.JOB_ID_FILE} in {pod.dir.path}")
 
 
 def main(argv: list[str]) -> int:
@@ -384,6 +408,7 @@ def main(argv: list[str]) -> int:
             log(f"no API access: not {' nor '.join(wanted)}: {type(err).__name__}: {err}")
         else:
             log(", ".join(wanted) + (" once the job is done" if args.scale_down else ""))
+    write_job_id(pod, api, args.configmap)
     publisher = Publisher(pod, api, args.configmap or "", progress, job)
     if api and args.scale_down:
         scale_down = ScaleDown(api, args.scale_down, pod)

@@ -16,8 +16,9 @@ waits in a collective (then it waits for a peer) or where else it is (the likely
 is stopped and cannot answer. It goes to this pod's log, to the state directory's hang-<run>.txt (the launcher or
 the worker script prints it after the failed run) and hang-<run>.json (podstate.hang_report: how each rank was found
 and its last beat; the ledger's owner merges every host's into the job's verdict, naming the culprit) and, with every
-stack, to DS_CHECKPOINT_DIR/diagnostics/<run>/<host>.txt. Then the ranks get SIGKILL: DeepSpeed's launcher fails the
-run, and the launcher (ssh) or the workers (nossh) start it again from the last complete checkpoint, like a crash.
+stack, to DS_CHECKPOINT_DIR/_job/diagnostics/<run>/<host>.txt (the last podstate.KEEP_RUNS runs'). Then the ranks
+get SIGKILL: DeepSpeed's launcher fails the run, and the launcher (ssh) or the workers (nossh) start it again from
+the last complete checkpoint, like a crash.
 The peers on other pods stop progressing too, so their watchdogs report and end them the same way.
 
 The protocol (states, the budgets' multiple, the dump signal, file names) is train/podstate.py's, from the
@@ -236,7 +237,7 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
                           json.dumps(podstate.hang_report(host, run, time.time(), found)) + "\n")
     checkpoints = os.environ.get("DS_CHECKPOINT_DIR", "")
     if checkpoints and os.access(checkpoints, os.W_OK):
-        folder = Path(checkpoints) / "diagnostics" / run
+        folder = podstate.job_path(Path(checkpoints), podstate.DIAGNOSTICS) / run
         try:
             folder.mkdir(parents=True, exist_ok=True)
             full = "\n\n".join(f"===== {r.name()}: stacks\n{stacks.get(r.pid, '(none)')}" for r in ranks)
@@ -245,6 +246,7 @@ def report(hung: list[tuple[Rank, float, float]], ranks: list[Rank], state_dir: 
                 if rank.pid in recorders:
                     (folder / f"{host}-rank{rank.env.get('RANK', rank.pid)}{FR_DUMP}").write_text(
                         json.dumps(recorders[rank.pid]))
+            podstate.prune(folder.parent, podstate.KEEP_RUNS, spare=run)
             log(f"stacks of every rank here: {folder / host}.txt"
                 + (f"; flight recorders: {folder / host}-rank<N>{FR_DUMP}" if recorders else ""))
         except OSError as err:

@@ -415,12 +415,14 @@ collective; files/watchdog.py judges the heartbeats). Inside the pod's /tmp empt
 
 {{/*
 The job's ledger of attempts and failure budget (files/attempts.py): in the release's checkpoint directory
-wherever the attempt's owner has it (ssh: the launcher, which mounts a shared claim; nossh: worker 0), so a new
-pod continues the count; else in the pod's /tmp, where each pod starts its own count.
+wherever the attempt's owner has it (ssh: the launcher, which mounts a shared claim; nossh: worker 0), in the folder
+the chart keeps there (podstate.JOB_DIR), so a new pod continues the count; else in the pod's /tmp, where each pod
+starts its own count.
 */}}
 {{- define "deepspeed-training.attemptsDir" -}}
+{{- $podstate := include "deepspeed-training.podstate" . | fromJson }}
 {{- if or (eq .Values.launchMode "nossh") .Values.checkpoints.existingClaim }}
-{{- printf "%s/attempts" (clean .Values.checkpoints.mountPath) }}
+{{- printf "%s/%s/%s" (clean .Values.checkpoints.mountPath) $podstate.jobDir $podstate.attempts }}
 {{- else }}
 {{- printf "%s/attempts" (include "deepspeed-training.rankStateDir" .) }}
 {{- end }}

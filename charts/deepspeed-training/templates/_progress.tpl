@@ -60,6 +60,13 @@ initContainers:
       - name: metrics
         containerPort: {{ .metricsPort | int }}
         protocol: TCP
+    # The pod's main container starts once the sidecar has written the job's identity (podstate.JOB_ID_FILE: the
+    # progress ConfigMap's uid, which an upgrade keeps), which keys the job's ledger and goodput records.
+    startupProbe:
+      exec:
+        command: ["test", "-f", "{{ include "deepspeed-training.rankStateDir" $root }}/{{ (include "deepspeed-training.podstate" $root | fromJson).jobIdFile }}"]
+      periodSeconds: 1
+      failureThreshold: 120
     env:
       - name: DS_RANK_STATE_DIR
         value: {{ include "deepspeed-training.rankStateDir" $root | quote }}
@@ -88,10 +95,10 @@ initContainers:
       - name: scripts
         mountPath: {{ include "deepspeed-training.scriptsDir" $root | quote }}
         readOnly: true
-      # The pod's /tmp, where the ranks, the watchdog and the ledger write what this container reads.
+      # The pod's /tmp, where the ranks, the watchdog and the ledger write what this container reads (through
+      # podstate.StateDir: no link followed), and where it writes the job's identity.
       - name: tmp
         mountPath: /tmp
-        readOnly: true
       {{- if include "deepspeed-training.progressPublishes" $root }}
       - name: progress-token
         mountPath: /var/run/secrets/kubernetes.io/serviceaccount
