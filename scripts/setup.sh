@@ -7,7 +7,7 @@ cd "$root"
 log() { echo "setup: $*"; }
 
 # 1. Debian packages: sshd/ssh/pdsh for the launcher path, iproute2/util-linux for the e2e hosts, prometheus for
-# the dashboard's queries (tests/test_progress.py).
+# the dashboard's queries (tests/test_sidecar.py).
 declare -A pkg_for=([sshd]=openssh-server [ssh]=openssh-client [pdsh]=pdsh [ip]=iproute2 [unshare]=util-linux
   [shellcheck]=shellcheck [unzip]=unzip [npm]=npm [g++]=g++ [prometheus]=prometheus)
 missing=()

@@ -1,11 +1,13 @@
 """The `# --` comments in values.yaml (helm-docs style) are the one description of each value: this writes
-them into the chart README's values table and into values.schema.json's `description`s.
+them into the chart README's values table and into values.schema.json's `description`s. And the sidecar's METRICS
+(files/sidecar.py) are the one list of its metrics: this writes docs/observability.md's table from it.
 
     python scripts/values_table.py           # rewrite both
     python scripts/values_table.py --check   # exit 1 if either is stale
 """
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -13,8 +15,11 @@ from pathlib import Path
 
 import yaml
 
-CHART = Path(__file__).resolve().parent.parent / "charts" / "deepspeed-training"
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "deepspeed-training"
 BEGIN, END = "<!-- values-table:begin -->", "<!-- values-table:end -->"
+METRICS_DOC = ROOT / "docs" / "observability.md"
+METRICS_BEGIN, METRICS_END = "<!-- metrics-table:begin -->", "<!-- metrics-table:end -->"
 KEY = re.compile(r"^(\s*)([A-Za-z0-9_]+):")
 
 
@@ -58,6 +63,22 @@ def table(values_yaml: str) -> str:
     return "\n".join(rows)
 
 
+def metrics_table() -> str:
+    """The sidecar's metrics (files/sidecar.py METRICS): name, label, which pod serves it, what it is."""
+    spec = importlib.util.spec_from_file_location("sidecar", CHART / "files" / "sidecar.py")
+    sidecar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sidecar)
+    rows = ["| metric | label | served by | what |", "| --- | --- | --- | --- |"]
+    for name, label, doc, where, _ in sidecar.METRICS:
+        rows.append(f"| `{sidecar.METRIC}_{name}` | {f'`{label}`' if label else ''} | {where} | {doc} |")
+    return "\n".join(rows)
+
+
+def between(text: str, begin: str, end: str, body: str) -> str:
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + body + "\n" + text[stop:]
+
+
 def schema_with_descriptions(schema: dict, docs: dict[str, str]) -> dict:
     """`schema` with each documented key's description set from its `# --` comment."""
     schema = json.loads(json.dumps(schema))
@@ -75,22 +96,24 @@ def main() -> int:
     args = parser.parse_args()
     readme = CHART / "README.md"
     text = readme.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     values_yaml = (CHART / "values.yaml").read_text()
-    fresh = text[:start] + "\n" + table(values_yaml) + "\n" + text[end:]
+    fresh = between(text, BEGIN, END, table(values_yaml))
     schema_path = CHART / "values.schema.json"
     schema_text = schema_path.read_text()
     fresh_schema = json.dumps(schema_with_descriptions(json.loads(schema_text), documented_keys(values_yaml)),
-                              indent=2) + "\n"
+                              indent=2, ensure_ascii=False) + "\n"
+    metrics_text = METRICS_DOC.read_text()
+    fresh_metrics = between(metrics_text, METRICS_BEGIN, METRICS_END, metrics_table())
+    files = ((readme, text, fresh), (schema_path, schema_text, fresh_schema), (METRICS_DOC, metrics_text, fresh_metrics))
     if args.check:
-        stale = [str(p) for p, old, new in ((readme, text, fresh), (schema_path, schema_text, fresh_schema))
-                 if old != new]
+        stale = [str(p) for p, old, new in files if old != new]
         if stale:
-            print(f"{', '.join(stale)}: stale descriptions; run `python scripts/values_table.py`", file=sys.stderr)
+            print(f"{', '.join(stale)}: stale; run `python scripts/values_table.py`", file=sys.stderr)
             return 1
         return 0
-    readme.write_text(fresh)
-    schema_path.write_text(fresh_schema)
+    for path, old, new in files:
+        if old != new:
+            path.write_text(new)
     return 0
 
 

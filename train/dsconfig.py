@@ -1,4 +1,4 @@
-"""Checks of a ds_config before DeepSpeed sees it: the one module the glue (scripts/deployctl.py), every rank
+"""Checks of a ds_config before DeepSpeed sees it: the one module the glue (scripts/deployctl), every rank
 at start-up (train/main.py) and the chart's config check hook (train/preflight.py) apply.
 
 DeepSpeed rejects unknown keys inside its sections, but silently ignores unknown TOP-LEVEL keys and `"auto"`,

@@ -1,6 +1,6 @@
 """The checks every rank runs at start, run once before anything is deployed: the chart's pre-install and
 pre-upgrade hook Job (templates/config-check.yaml) runs this module in the workers' image, so that `helm install`
-without the glue refuses what every rank would refuse, before a GPU is allocated. The glue (scripts/deployctl.py)
+without the glue refuses what every rank would refuse, before a GPU is allocated. The glue (scripts/deployctl)
 runs the same functions locally.
 
     python -m train.preflight [--fills-auto] [--cpu-ranks]  # any program: the ds_config at DS_CONFIG_PATH

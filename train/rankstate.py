@@ -24,7 +24,7 @@ bring-your-own loop): call `beat(step)` once a step. A program that reports noth
 Progress, for people: rank 0 also keeps DS_RANK_STATE_DIR/PROGRESS, a JSON object replaced atomically: its state,
 step and step time (from report() and, every PUBLISH_EVERY_S at most, beat()), the attempt counter the pod scripts
 give every rank (DS_ATTEMPT, ...), and whatever the program adds with `publish(...)` (steps, loss, tokens_per_s,
-mfu, eta_s, checkpoint_step, ...). The chart's progress sidecar (files/progress.py) puts it into the
+mfu, eta_s, checkpoint_step, ...). The chart's progress sidecar (files/sidecar.py) puts it into the
 <release>-progress ConfigMap and serves it, with every rank's state line, as Prometheus metrics.
 The protocol's words, files and signal are train/podstate.py's, which the chart's pod scripts read from their copy.
 """
