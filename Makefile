@@ -5,6 +5,8 @@ MAKEFLAGS += --no-print-directory
 
 ROOT := $(CURDIR)
 CHART := charts/deepspeed-training
+# The project's version (pyproject.toml, the one place it is written): the images' tags and the chart's.
+VERSION := $(shell python3 scripts/pins.py version)
 # Pinned tools live in .tools/bin (scripts/install-tools.sh); the venv's python, deepspeed and pytest first.
 export PATH := $(ROOT)/.venv/bin:$(ROOT)/.tools/bin:$(PATH)
 # DeepSpeed's JIT-built ops, built once by `make setup`.
@@ -121,7 +123,7 @@ generate: ## Regenerate what is generated from its owner: the chart README's val
 	python scripts/chart_data.py
 
 .PHONY: image
-image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cuda|rocm; README, "The image").
+image: ## Build the worker/launcher image with docker or podman (VARIANT=cpu|cuda|rocm; docs/deploying.md, "The images").
 	bash scripts/image.sh build
 
 .PHONY: image-hf
@@ -143,7 +145,7 @@ test-image: ## Build the CPU and sidecar images with podman (debootstrapped base
 	bash scripts/image.sh base
 	VARIANT=cpu bash scripts/image.sh build
 	bash scripts/image.sh build_sidecar
-	DS_TEST_IMAGE=deepspeed-train:0.1.0-cpu DS_TEST_SIDECAR_IMAGE=deepspeed-sidecar:0.1.0 \
+	DS_TEST_IMAGE=deepspeed-train:$(VERSION)-cpu DS_TEST_SIDECAR_IMAGE=deepspeed-sidecar:$(VERSION) \
 	  CONTAINERS_CONF=$(ROOT)/.build/containers.conf pytest tests/image -v
 
 .PHONY: test-image-cuda
@@ -152,8 +154,9 @@ test-image-cuda: ## Build the CUDA image and its Hugging Face layer with podman 
 	bash scripts/image.sh base
 	VARIANT=cuda bash scripts/image.sh build
 	VARIANT=cuda bash scripts/image.sh build_hf
-	DS_TEST_CUDA_IMAGE=deepspeed-train:0.1.0-cuda CONTAINERS_CONF=$(ROOT)/.build/containers.conf \
+	DS_TEST_CUDA_IMAGE=deepspeed-train:$(VERSION)-cuda CONTAINERS_CONF=$(ROOT)/.build/containers.conf \
 	  pytest tests/image/test_image_cuda.py -v -rP
+	bash .ci/cuda-image-inputs > .ci/cuda-image-checked  # commit it: CI skips this check while the inputs match
 
 .PHONY: test-cluster
 test-cluster: ## The cluster tier on a real Kubernetes: the local one-node cluster of ../shared/k8s (root), or KUBECONFIG + DS_IMAGE.

@@ -7,7 +7,8 @@
   the program's parser takes for what the chart owns, which train.args may not repeat;
 - from train/podstate.py, the pods' run-time protocol: podstate.py (the same bytes, for the Python pod scripts, which
   run under `python3 -I` and import it from the scripts' `generated/`) and podstate.sh (its constants, for the bash
-  pod scripts to source).
+  pod scripts to source);
+- from pyproject.toml (scripts/pins.py): Chart.yaml's `version` and `appVersion`, the project's version.
 
     python scripts/chart_data.py           # rewrite charts/deepspeed-training/files/generated/
     python scripts/chart_data.py --check   # exit 1 if it is stale
@@ -21,10 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scripts.pins import pins  # noqa: E402
 from train import conventions, podstate  # noqa: E402
 from train.deepspeed_mirror import LAUNCHER_ENV, PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
 
-GENERATED = ROOT / "charts" / "deepspeed-training" / "files" / "generated"
+CHART = ROOT / "charts" / "deepspeed-training"
+GENERATED = CHART / "files" / "generated"
 
 
 def deepspeed_json() -> str:
@@ -38,7 +41,15 @@ def conventions_json() -> str:
                        "conventions": conventions.generated()}, indent=1) + "\n"
 
 
-TARGETS = {GENERATED / "deepspeed.json": deepspeed_json, GENERATED / "conventions.json": conventions_json,
+def chart_yaml() -> str:
+    """Chart.yaml with the project's version in `version` and `appVersion` (Helm reads only the file)."""
+    version = pins()["version"]
+    lines = (CHART / "Chart.yaml").read_text().splitlines(keepends=True)
+    return "".join(f"version: {version}\n" if line.startswith("version:")
+                   else f'appVersion: "{version}"\n' if line.startswith("appVersion:") else line for line in lines)
+
+
+TARGETS = {CHART / "Chart.yaml": chart_yaml,GENERATED / "deepspeed.json": deepspeed_json, GENERATED / "conventions.json": conventions_json,
            GENERATED / "podstate.py": lambda: Path(podstate.__file__).read_text(),
            GENERATED / "podstate.json": lambda: json.dumps({
                "generated": "by scripts/chart_data.py from train/podstate.py; do not edit",

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The worker/launcher image (docker/Dockerfile), and the progress sidecar's (docker/Dockerfile.sidecar).
 # Usage: scripts/image.sh build|build_hf|build_sidecar|push|base
-#   build     docker or podman build of IMAGE_NAME:IMAGE_TAG (VARIANT=cpu|cuda|rocm, default cpu; BASE, TORCH_PIP_ARGS,
+#   build     docker or podman build of IMAGE_NAME:IMAGE_TAG (<version>-<variant>: pyproject.toml's; VARIANT=cpu|cuda|rocm, default cpu; BASE, TORCH_PIP_ARGS,
 #             CUDA_ARCHS, GPU_ARCHS, CPU_ARCH pass through to docker/Dockerfile)
 #   build_hf  the Hugging Face layer on it (docker/Dockerfile.hf): IMAGE_NAME:IMAGE_TAG-hf
-#   build_sidecar  the progress sidecar's image (docker/Dockerfile.sidecar): SIDECAR_IMAGE (deepspeed-sidecar:0.1.0)
+#   build_sidecar  the progress sidecar's image (docker/Dockerfile.sidecar): SIDECAR_IMAGE (deepspeed-sidecar:<version>)
 #   push   tag and push it to REGISTRY
 #   base   (podman, offline machines) make the Dockerfile's FROM image with debootstrap instead of pulling it
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+read -r VERSION TORCH_VERSION DEEPSPEED_VERSION < <(python3 scripts/pins.py version torch deepspeed)
 VARIANT="${VARIANT:-cpu}"
 IMAGE_NAME="${IMAGE_NAME:-deepspeed-train}"
-IMAGE_TAG="${IMAGE_TAG:-0.1.0-$VARIANT}"
-SIDECAR_IMAGE="${SIDECAR_IMAGE:-deepspeed-sidecar:0.1.0}"
-read -r TORCH_VERSION DEEPSPEED_VERSION < <(python3 scripts/pins.py torch deepspeed)
+IMAGE_TAG="${IMAGE_TAG:-$VERSION-$VARIANT}"
+SIDECAR_IMAGE="${SIDECAR_IMAGE:-deepspeed-sidecar:$VERSION}"
 log() { echo "image: $*"; }
 
 engine() {

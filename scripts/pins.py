@@ -1,5 +1,7 @@
-"""Prints the versions pyproject.toml pins, the one place they are written: `python3 scripts/pins.py torch`
-prints `2.13.0`. Used by scripts/setup.sh and scripts/image.sh (and through it docker/Dockerfile)."""
+"""Prints the versions pyproject.toml holds, the one place they are written: `python3 scripts/pins.py torch`
+prints `2.13.0`, `python3 scripts/pins.py version` the project's own (the chart's and the images' tags). Used by
+scripts/setup.sh, scripts/image.sh (and through it docker/Dockerfile*), scripts/test-cluster.sh, the Makefile and
+scripts/chart_data.py (Chart.yaml)."""
 
 import sys
 import tomllib
@@ -9,9 +11,10 @@ PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
 def pins() -> dict[str, str]:
+    """Every `==` pin, and the project's own version as `version`."""
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
-    return dict(r.split("==", 1) for r in requirements if "==" in r)
+    return {**dict(r.split("==", 1) for r in requirements if "==" in r), "version": project["version"]}
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 log() { echo "test-cluster: $*"; }
-image="${DS_TEST_IMAGE:-localhost/deepspeed-train:0.1.0-cpu}"
-sidecar_image="${DS_TEST_SIDECAR_IMAGE:-localhost/deepspeed-sidecar:0.1.0}"
+version=$(python3 scripts/pins.py version)
+image="${DS_TEST_IMAGE:-localhost/deepspeed-train:$version-cpu}"
+sidecar_image="${DS_TEST_SIDECAR_IMAGE:-localhost/deepspeed-sidecar:$version}"
 pytest_args=(tests/cluster -v -rP -p no:cacheprovider --durations=0)  # -rP: what passing tests print (timings, summaries)
 
 if [[ -n "${KUBECONFIG:-}" ]]; then
