@@ -165,6 +165,6 @@ test-cluster: ## The cluster tier on a real Kubernetes: the local one-node clust
 .PHONY: lint
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done
-	shellcheck -x -P SCRIPTDIR $(CHART)/files/*.sh scripts/*.sh docker/*.sh .ci/run
+	shellcheck -x -P SCRIPTDIR $(CHART)/files/*.sh scripts/*.sh docker/*.sh .ci/run .ci/cuda-image-inputs
 	hadolint docker/Dockerfile docker/Dockerfile.hf docker/Dockerfile.sidecar
 	ruff check .

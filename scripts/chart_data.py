@@ -49,7 +49,8 @@ def chart_yaml() -> str:
                    else f'appVersion: "{version}"\n' if line.startswith("appVersion:") else line for line in lines)
 
 
-TARGETS = {CHART / "Chart.yaml": chart_yaml,GENERATED / "deepspeed.json": deepspeed_json, GENERATED / "conventions.json": conventions_json,
+TARGETS = {CHART / "Chart.yaml": chart_yaml,
+           GENERATED / "deepspeed.json": deepspeed_json, GENERATED / "conventions.json": conventions_json,
            GENERATED / "podstate.py": lambda: Path(podstate.__file__).read_text(),
            GENERATED / "podstate.json": lambda: json.dumps({
                "generated": "by scripts/chart_data.py from train/podstate.py; do not edit",

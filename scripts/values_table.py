@@ -104,7 +104,8 @@ def main() -> int:
                               indent=2, ensure_ascii=False) + "\n"
     metrics_text = METRICS_DOC.read_text()
     fresh_metrics = between(metrics_text, METRICS_BEGIN, METRICS_END, metrics_table())
-    files = ((readme, text, fresh), (schema_path, schema_text, fresh_schema), (METRICS_DOC, metrics_text, fresh_metrics))
+    files = ((readme, text, fresh), (schema_path, schema_text, fresh_schema),
+             (METRICS_DOC, metrics_text, fresh_metrics))
     if args.check:
         stale = [str(p) for p, old, new in files if old != new]
         if stale:
