@@ -1,11 +1,13 @@
 """Every ci render is a valid Kubernetes manifest (kubernetes-validate, strict) and passes checkov."""
 
+import functools
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
 from kubernetes_validate.utils import all_versions, major_minor
@@ -15,6 +17,9 @@ from tests.support.chart import CI_VALUES, HELM, ROOT, render_chart
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 KUBE_MINORS = sorted({major_minor(v) for v in all_versions() if tuple(map(int, major_minor(v).split("."))) >= (1, 29)},
                      key=lambda v: tuple(map(int, v.split("."))))
+# kubernetes_validate.validate reads and parses a kind's schema and the version's _definitions.json (megabytes) on
+# every call; the files never change under a session, so each is read once (the validation itself is unchanged).
+kubernetes_validate.utils.schema_contents = functools.cache(kubernetes_validate.utils.schema_contents)
 CRDS = {"PodGroup"}  # Volcano's; kubernetes-validate bundles only built-in kinds
 CHECKOV = shutil.which("checkov") or str(ROOT / ".tools" / "checkov" / "bin" / "checkov")
 
