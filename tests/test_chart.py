@@ -128,13 +128,14 @@ def test_gpu_resource_name_is_configurable():
 def test_ds_config_in_configmap_equals_values():
     config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3},
               "bf16": {"enabled": True}}
-    docs = render_chart({"deepspeed": {"config": config}, "worker": {"replicas": 4, "gpusPerWorker": 2}})
+    docs = render_chart({"deepspeed": {"config": config}, "worker": {"replicas": 4, "gpusPerWorker": 2},
+                         "checkpoints": {"existingClaim": "shared"}})
     rendered = json.loads(config_data(docs)["ds_config.json"])
     assert rendered == config  # replaces the default whole: no default key is merged in
 
 
 def test_empty_ds_config_uses_the_default_file():
-    rendered = json.loads(config_data(render_chart())["ds_config.json"])
+    rendered = json.loads(config_data(render_chart({"checkpoints": {"existingClaim": "c"}}))["ds_config.json"])
     assert rendered == json.loads((CHART / "files" / "ds_config.default.json").read_text())
 
 
@@ -398,11 +399,68 @@ def test_the_launcher_job_is_per_revision_and_retries_safely():
     assert env_of(job)["DS_KILL_GRACE_SECONDS"] == "110"
 
 
-def test_per_worker_checkpoint_volumes_need_a_single_worker():
-    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
-    with pytest.raises(HelmError) as err:
-        render_chart({"worker": {"replicas": 2}, "checkpoints": {"volumeClaimSpec": spec}})
-    assert "checkpoints.volumeClaimSpec" in err.value.stderr and "checkpoints.existingClaim" in err.value.stderr
+CLAIM_SPEC = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+
+
+@pytest.mark.parametrize("mode", ["ssh", "nossh"])
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("volume", ["emptyDir", "claim per worker", "shared claim"])
+def test_per_worker_checkpoint_volumes_in_both_modes_and_the_storage_every_program_is_told(mode, replicas, volume):
+    """Per-pod volumes are a storage of their own when several workers have one each: every rank and the config
+    check are told (DS_CHECKPOINT_STORAGE, by train/checkpoint.py's rule), DeepSpeed writes the model states on
+    every worker (checkpoint.use_node_local_storage), a Trainer saves on each node; a claim per worker is the
+    StatefulSet's in ssh mode and a generic ephemeral volume of each pod in nossh mode."""
+    from train import checkpoint
+
+    checkpoints = {"emptyDir": {}, "claim per worker": {"volumeClaimSpec": CLAIM_SPEC},
+                   "shared claim": {"existingClaim": "shared"}}[volume]
+    values = {"launchMode": mode, "worker": {"replicas": replicas}, "checkpoints": checkpoints,
+              "train": {"script": "/opt/train.py", "argsConvention": "huggingface"}}
+    docs = render_chart(values)
+    storage = checkpoint.storage_for(replicas, volume == "shared claim")
+    told = [env_of(w) for w in by_kind(docs, "StatefulSet") + by_kind(docs, "Job") if "DS_CONFIG_PATH" in env_of(w)]
+    assert told and {env["DS_CHECKPOINT_STORAGE"] for env in told} == {storage}  # the ranks, and the config check
+    ds_config = json.loads(config_data(docs)["ds_config.json"])
+    assert ds_config.get("checkpoint", {}).get("use_node_local_storage", False) == (storage == checkpoint.PER_WORKER)
+    runs_program = [w for w in release_workloads(docs) if "--output_dir" in " ".join(container(w).get("args", []))]
+    command = " ".join(container(runs_program[0])["args"])
+    assert f"--save_on_each_node {str(storage == checkpoint.PER_WORKER).lower()}" in command, command
+    if mode == "ssh":
+        workers = one(docs, "StatefulSet", "-worker")
+    else:
+        workers = next(j for j in by_kind(docs, "Job") if "completionMode" in j["spec"])
+    volume_of = {v["name"]: v for v in workers["spec"]["template"]["spec"]["volumes"]}.get("checkpoints")
+    if volume == "claim per worker" and mode == "ssh":
+        assert volume_of is None
+        assert workers["spec"]["volumeClaimTemplates"][0]["spec"] == CLAIM_SPEC
+    elif volume == "claim per worker":
+        assert volume_of["ephemeral"]["volumeClaimTemplate"]["spec"] == CLAIM_SPEC
+    else:
+        assert ("persistentVolumeClaim" if volume == "shared claim" else "emptyDir") in volume_of
+
+
+@pytest.mark.parametrize("convention", ["deepspeed", "none"])
+def test_a_program_that_resumes_from_rank_0s_latest_alone_needs_a_shared_claim_with_several_workers(convention):
+    values = {"worker": {"replicas": 2}, "train": {"script": "/opt/train.py", "argsConvention": convention}}
+    with pytest.raises(HelmError, match=f"a program of train.argsConvention \"{convention}\" would resume rank 0 "
+                                        "alone. Set checkpoints.existingClaim"):
+        render_chart(values)
+    render_chart({**values, "worker": {"replicas": 1}})
+    render_chart({**values, "checkpoints": {"existingClaim": "c"}})
+
+
+def test_a_ds_config_against_the_checkpoint_storage_and_a_claim_made_from_others_data_are_refused():
+    for checkpoints, value, expected in (({}, False, "every worker must write the model states"),
+                                         ({"existingClaim": "c"}, True, "the same model-state files")):
+        with pytest.raises(HelmError, match=expected):
+            render_chart({"worker": {"replicas": 2}, "checkpoints": checkpoints, "deepspeed": {"config": {
+                "train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": value}}}})
+    for key in ("selector", "dataSource", "dataSourceRef"):
+        spec = {**CLAIM_SPEC, key: {"matchLabels": {"a": "b"}} if key == "selector" else {
+            "kind": "PersistentVolumeClaim", "name": "another-teams-checkpoints"}}
+        with pytest.raises(HelmError, match=f"checkpoints.volumeClaimSpec.{key}: a checkpoint volume made from "
+                                            "storage the release does not own"):
+            render_chart({"checkpoints": {"volumeClaimSpec": spec}})
 
 
 @pytest.mark.parametrize("account", [{"create": False}, {"create": False, "name": "default"},

@@ -10,6 +10,7 @@ from scripts import deployctl
 from tests.support.chart import HELM, ROOT, render_chart
 from tests.support.glue_tree import edit, run, set_key, write
 from tests.support.shm import release_shm_buffers
+from train import checkpoint
 
 ENVS = ["dev", "staging", "prod"]
 
@@ -22,7 +23,12 @@ def test_every_shipped_env_renders_values_that_helm_accepts(env, project):
     deployctl.write(r)
     docs = render_chart(values_files=[r.out / "values.yaml"], with_image=False)
     config = json.loads(next(d for d in docs if d["metadata"]["name"].endswith("-config"))["data"]["ds_config.json"])
-    assert config == json.loads((r.out / "ds_config.json").read_text()) == r.ds_config
+    assert json.loads((r.out / "ds_config.json").read_text()) == r.ds_config
+    # What the chart adds for per-worker checkpoint volumes (every worker writes the model states its ranks load).
+    chart = r.effective
+    storage = checkpoint.storage_for(chart["worker"]["replicas"], bool(chart["checkpoints"]["existingClaim"]))
+    pinned = {"checkpoint": {"use_node_local_storage": True}} if storage == checkpoint.PER_WORKER else {}
+    assert config == {**r.ds_config, **pinned}
     micro, accum, total = r.batch
     assert config["train_batch_size"] == total == micro * accum * r.world_size
     hostfile = next(d for d in docs if d["metadata"]["name"].endswith("-config"))["data"]["hostfile"]
@@ -81,6 +87,13 @@ def test_plan_shows_the_pipeline_layout_and_counts_data_parallel_ranks_in_the_ba
     set_key("dev.yaml", "chart", "train", "config", "model", "pipeline_stages", 2)(tree)
     set_key("dev.yaml", "deepspeed", "overrides", {"zero_optimization": {"stage": 1}})(tree)
     set_key("dev.yaml", "chart", "worker", "replicas", 4)(tree)
+    # A stage's layers are written by one data-parallel rank: per-worker volumes could not resume them.
+    code, out, err = run("plan", "--env", "dev", capsys=capsys)
+    assert code == 1 and err.strip() == (
+        "error: values/dev.yaml: chart.worker.replicas 4: model.pipeline_stages 2 with per-worker checkpoint volumes "
+        "(several workers, no checkpoints.existingClaim): DeepSpeed writes each stage's layers from one data-parallel "
+        "rank only, so the other workers could not resume; give the release a shared claim"), err
+    set_key("dev.yaml", "chart", "checkpoints", "existingClaim", "checkpoints-dev")(tree)
     code, out, err = run("plan", "--env", "dev", capsys=capsys)
     assert code == 0, err
     assert "micro 4 x accumulation 1 x 2 data-parallel ranks (4 ranks / 2 pipeline stages) = global 8" in out

@@ -218,8 +218,6 @@ def test_kueue_queue_and_rank_ordered_topology_go_on_the_workers():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({**NOSSH, "checkpoints": {"volumeClaimSpec": {"accessModes": ["ReadWriteOnce"]}}, "worker": {"replicas": 1}},
-     "checkpoints.volumeClaimSpec (a PVC per worker) needs the StatefulSet of launchMode ssh"),
     ({**NOSSH, "deepspeed": {"masterPort": 65535}}, "deepspeed.masterPort: 65535 leaves no port for the start barrier"),
     ({"scheduling": {"kueueTopology": {"mode": "required", "level": ""}, "kueueQueueName": "q"}},
      "scheduling.kueueTopology: mode \"required\" and level \"\" go together"),

@@ -142,7 +142,7 @@ def test_real_world_configs_pass_the_python_checks(name):
 def test_real_world_configs_render_through_the_chart(name):
     config, world_size, fills_auto = LEGIT[name]
     gpus = 8 if world_size % 8 == 0 else world_size
-    values = {"worker": {"replicas": world_size // gpus, "gpusPerWorker": gpus},
+    values = {"worker": {"replicas": world_size // gpus, "gpusPerWorker": gpus}, "checkpoints": {"existingClaim": "c"},
               "deepspeed": {"config": config}, "train": {"fillsDsConfigAuto": fills_auto}}
     if fills_auto:  # a program that fills "auto": a Trainer script
         values["train"].update(script="/opt/deepspeed-examples/hf_trainer.py", argsConvention="huggingface")

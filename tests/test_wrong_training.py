@@ -40,7 +40,7 @@ def test_the_chart_refuses_what_every_rank_would_fail_on(case):
 
 
 def test_what_those_rules_allow_still_renders():
-    render_chart({"data": {"existingClaim": "corpus"}, "train": {
+    render_chart({"data": {"existingClaim": "corpus"}, "checkpoints": {"existingClaim": "c"}, "train": {
         "script": "/data/code/train.py", "argsConvention": "none", "args": ["--corpus={data_dir}/c"]}})
     render_chart({"deepspeed": {"runnerArgs": ["--bind_cores_to_rank", "--bind_core_list=0-3"]},
                   "worker": {"extraEnvFrom": [{"prefix": "APP_", "secretRef": {"name": "x"}}]}})

@@ -2,9 +2,16 @@
 
 DeepSpeed writes its `latest` marker with a plain write and, when it is missing, load_checkpoint quietly
 starts from scratch. Here a checkpoint counts only once it is COMMITTED: every rank has written and
-fsynced its shards, then rank 0 writes `commit.json` (the tag's file list and sizes) and replaces `latest`,
-each atomically (temporary file, fsync, rename). Resume picks the newest committed tag whose files are
-all there; a dir that holds checkpoints of which none is complete is an error, never a fresh start.
+fsynced its shards, then the directory's writer writes `commit.json` (the tag's file list and sizes) and replaces
+`latest`, each atomically (temporary file, fsync, rename). Resume picks the newest tag that every rank sees
+committed with all its files there; a dir that holds checkpoints of which none is complete is an error, never a
+fresh start.
+
+Storage (DS_CHECKPOINT_STORAGE, the chart's): `shared`, one directory every rank sees (a shared claim, or one
+machine), whose writer is global rank 0; or `per-worker`, a volume per worker pod: each worker's ranks write their
+own shards (and, with DeepSpeed's `checkpoint.use_node_local_storage`, which the chart sets, the model states) to
+their pod's volume, each worker's local rank 0 commits the part its volume holds, and a tag is complete only where
+every worker committed its part: a crash between two workers' commits leaves a tag that no rank resumes from.
 """
 
 import argparse
@@ -32,8 +39,52 @@ UNIVERSAL_DIR = "universal"  # <ckpt>/universal/<tag>: a tag converted for anoth
 UNIVERSAL_INFO = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
+STORAGE_ENV = "DS_CHECKPOINT_STORAGE"
+SHARED, PER_WORKER = "shared", "per-worker"
+
+
 class CheckpointError(RuntimeError):
     """The checkpoint dir cannot be used as asked; names the dir and what is wrong."""
+
+
+def storage_for(workers: int, shared_claim: bool) -> str:
+    """The storage of a chart release: per-worker when several workers have no shared claim (their per-pod
+    volumes: an emptyDir, a StatefulSet's claim per worker, an ephemeral volume). The chart's
+    deepspeed-training.checkpointStorage follows this rule (tests/test_chart.py holds them together)."""
+    return PER_WORKER if workers > 1 and not shared_claim else SHARED
+
+
+def storage() -> str:
+    value = os.environ.get(STORAGE_ENV) or SHARED
+    if value not in (SHARED, PER_WORKER):
+        raise CheckpointError(f"{STORAGE_ENV}={value!r}: expected {SHARED!r} or {PER_WORKER!r}")
+    return value
+
+
+def check_storage(ds_config: dict, layout, storage_: str, source: str) -> None:
+    """What per-worker volumes cannot hold: a checkpoint whose files a rank needs were written by a rank of another
+    worker. Pipeline stages: DeepSpeed writes each stage's layers from its first data-parallel rank only. ZeRO's
+    `elastic_checkpoint`: every rank reads every rank's optimizer shards."""
+    if storage_ != PER_WORKER:
+        return
+    where = "with per-worker checkpoint volumes (several workers, no checkpoints.existingClaim)"
+    if layout.pipeline_stages > 1:
+        raise CheckpointError(f"model.pipeline_stages {layout.pipeline_stages} {where}: DeepSpeed writes each stage's "
+                              "layers from one data-parallel rank only, so the other workers could not resume; give "
+                              "the release a shared claim")
+    zero = ds_config.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("elastic_checkpoint"):
+        raise CheckpointError(f"ds_config {source}: zero_optimization.elastic_checkpoint {where}: every rank would "
+                              "read every rank's optimizer shards on resume; remove it or give the release a shared "
+                              "claim")
+
+
+def writes_commits() -> bool:
+    """Whether this rank commits what its checkpoint directory holds: global rank 0 of a shared directory, each
+    worker's local rank 0 of per-worker volumes."""
+    if storage() == PER_WORKER:
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    return dist.get_rank() == 0
 
 
 def tag_for(step: int) -> str:
@@ -89,22 +140,6 @@ def tags_newest_first(ckpt_dir: Path) -> list[Path]:
     return sorted(tags, key=lambda p: int(TAG_PATTERN.match(p.name).group(1)), reverse=True)
 
 
-def find_resume_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
-    """(newest complete tag or None, incomplete tags skipped on the way). Raises CheckpointError if the dir
-    holds checkpoints but none of them is complete."""
-    tags = tags_newest_first(ckpt_dir)
-    skipped = []
-    for tag_dir in tags:
-        if is_complete(tag_dir):
-            return tag_dir.name, skipped
-        skipped.append(tag_dir.name)
-    if tags:
-        raise CheckpointError(
-            f"checkpoint dir {ckpt_dir}: none of its {len(tags)} checkpoints is complete ({', '.join(skipped)}); "
-            "refusing to start from scratch over them. Move them away to start fresh.")
-    return None, []
-
-
 def release() -> str:
     """`<namespace>/<release>` that owns this run's checkpoints (the chart's DS_RELEASE); "" outside the chart."""
     return os.environ.get("DS_RELEASE", "")
@@ -134,32 +169,45 @@ def read_manifest(tag_dir: Path) -> dict:
     return json.loads((tag_dir / COMMIT_FILE).read_text())
 
 
+def local_view(ckpt_dir: Path) -> tuple[list[str], list[str]]:
+    """(the tags this rank sees complete, every tag it sees), newest first."""
+    tags = tags_newest_first(ckpt_dir)
+    return [t.name for t in tags if is_complete(t)], [t.name for t in tags]
+
+
 def agree_on_resume_tag(ckpt_dir: Path, rank: int, world_size: int, logger) -> str | None:
-    """The tag every rank resumes from. Rank 0 picks it; every rank then checks it sees that checkpoint
-    complete (shared storage). Errors reach every rank, so none waits for a peer that gave up."""
-    decision = [None]
-    if rank == 0:
-        try:
-            tag, skipped = find_resume_tag(ckpt_dir)
-            decision[0] = ("ok", tag, skipped)
-        except CheckpointError as err:
-            decision[0] = ("error", str(err), [])
-    dist.broadcast_object_list(decision, src=0)
-    verdict, tag, skipped = decision[0]
-    if verdict == "error":
-        raise CheckpointError(tag)
-    for name in skipped:
+    """The tag every rank resumes from: the newest that every rank sees complete (on a shared directory, what rank 0
+    sees; on per-worker volumes, the newest every worker committed its part of). Every rank reaches the same
+    verdict, errors included, so none waits for a peer that gave up."""
+    views = [None] * world_size
+    dist.all_gather_object(views, local_view(ckpt_dir))
+    step = lambda tag: int(TAG_PATTERN.match(tag).group(1))  # noqa: E731
+    everywhere = set.intersection(*(set(complete) for complete, _ in views))
+    seen = {tag for _, tags in views for tag in tags}
+    tag = max(everywhere, key=step, default=None)
+    for name in sorted((t for t in seen if tag is None or step(t) > step(tag)), key=step, reverse=True):
         logger.warning(f"skipping incomplete checkpoint {ckpt_dir / name}")
-    if tag is None:
-        return None
-    sees = [None] * world_size
-    dist.all_gather_object(sees, is_complete(ckpt_dir / tag))
-    missing = [r for r, ok in enumerate(sees) if not ok]
-    if missing:
+    if tag is not None or not seen:
+        return tag
+    somewhere = {t for complete, _ in views for t in complete}
+    if not somewhere:
         raise CheckpointError(
-            f"checkpoint {ckpt_dir / tag} is complete on rank 0 but not on rank(s) {missing}: the checkpoint dir "
-            "must be one volume shared by all workers (checkpoints.existingClaim, a ReadWriteMany PVC)")
-    return tag
+            f"checkpoint dir {ckpt_dir}: none of its {len(seen)} checkpoints is complete "
+            f"({', '.join(sorted(seen, key=step, reverse=True))}); refusing to start from scratch over them. Move "
+            "them away to start fresh.")
+    newest = max(somewhere, key=step)
+    have = [r for r, (complete, _) in enumerate(views) if newest in complete]
+    missing = [r for r in range(world_size) if r not in have]
+    if storage() == PER_WORKER:
+        why = ("each worker keeps its ranks' part on its own volume (per-worker checkpoint storage), and the volume "
+               "of the worker(s) of those ranks no longer holds it (a new pod, a new node): nothing on these "
+               "volumes can resume the job. Give the release a shared claim (checkpoints.existingClaim) for "
+               "checkpoints that outlive a pod, or move the checkpoints away to start fresh")
+    else:
+        why = ("the checkpoint dir must be one volume shared by all workers (checkpoints.existingClaim, a "
+               "ReadWriteMany PVC)")
+    raise CheckpointError(f"checkpoint {ckpt_dir / newest} is complete on rank(s) {have} but not on rank(s) "
+                          f"{missing}: {why}")
 
 
 def check_save_fits_grace(manifest: dict, tag_dir: Path, logger) -> None:
@@ -186,6 +234,10 @@ def cross_layout_load(tag_dir: Path, saved: dict, layout: dict, allowed: bool, w
     or "universal" (DeepSpeed's universal checkpoint: weights, optimizer and scheduler state at any
     data-parallel size). Raises CheckpointError, saying why, for what cannot be loaded."""
     what = f"checkpoint {tag_dir} was written with {describe_layout(saved)}; this run has {describe_layout(layout)}"
+    if storage() == PER_WORKER:
+        raise CheckpointError(f"{what}: a resume on another layout reads every rank's shards from one directory, "
+                              "and per-worker volumes (no checkpoints.existingClaim) each hold their workers' only; "
+                              "resume with the saved layout, or give the release a shared claim")
     if not allowed:
         raise CheckpointError(f"{what}, and resuming on another layout is switched off (chart value "
                               "checkpoints.resumeAcrossWorldSizes): resume with the same layout or start in an "
@@ -250,23 +302,25 @@ def _convert(source: Path, target: Path) -> None:
 
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layout: dict, ds_config: dict) -> str:
-    """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits on rank 0. The manifest records
-    the owning release, the layout and the ds_config (a resume checks and compares them)."""
+    """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits: once every rank's files are
+    durable, each directory's writer (writes_commits) records what its directory holds. The manifest records the
+    owning release, the layout and the ds_config (a resume checks and compares them)."""
     started = time.perf_counter()
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
-    if dist.get_rank() == 0 and tag_dir.exists():  # left by an attempt that died mid-save
+    writer = writes_commits()
+    if writer and tag_dir.exists():  # left by an attempt that died mid-save
         shutil.rmtree(tag_dir)
     dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, **UNIVERSAL_INFO}, save_latest=False)
-    for path in tag_dir.rglob("*"):  # shared storage: each rank makes sure what it wrote is durable
+    for path in tag_dir.rglob("*"):  # each rank makes sure what it wrote is durable
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
     dist.barrier()
-    if dist.get_rank() == 0:
+    if writer:
         manifest = {"step": step, "release": release(), "save_s": round(time.perf_counter() - started, 3), **layout,
-                    "ds_config": ds_config, "files": _files(tag_dir)}
+                    "storage": storage(), "ds_config": ds_config, "files": _files(tag_dir)}
         write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
         write_atomic(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep)

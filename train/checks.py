@@ -33,7 +33,12 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[Layout, dict, tuple
         raise ConfigError(str(err)) from None
     check_chart_paths(cfg)
     ds_config = dsconfig.load(cfg.ds_config)
-    return layout, ds_config, dsconfig.check_run(ds_config, layout, cfg.ds_config, steps=cfg.steps)
+    batch = dsconfig.check_run(ds_config, layout, cfg.ds_config, steps=cfg.steps)
+    try:
+        checkpoint.check_storage(ds_config, layout, checkpoint.storage(), cfg.ds_config)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    return layout, ds_config, batch
 
 
 def check_inputs(cfg: TrainConfig, rank: int, world_size: int) -> Inputs:

@@ -15,17 +15,21 @@ arguments): a later `--local_rank` would put the rank on another device, so it i
 
 import argparse
 
-# The value each passed option takes, by name: the chart's paths (deepspeed-training.programPaths) and the
-# collective timeout in seconds (deepspeed.collectiveTimeoutMinutes x 60).
-VALUES = ("ds_config", "train_config", "checkpoint_dir", "collective_timeout_s")
+# The value each passed option takes, by name: the chart's paths (deepspeed-training.programPaths), the
+# collective timeout in seconds (deepspeed.collectiveTimeoutMinutes x 60), and whether each worker keeps its
+# checkpoints on its own volume ("true"/"false": train/checkpoint.py storage_for).
+VALUES = ("ds_config", "train_config", "checkpoint_dir", "collective_timeout_s", "per_worker_storage")
 
 # convention -> [(option, value name or None for a flag, "=" to join them in one argument or " " for two)]
 PASSES: dict[str, list[tuple[str, str | None, str | None]]] = {
     "train": [("--ds-config", "ds_config", "="), ("--config", "train_config", "="),
               ("--checkpoint-dir", "checkpoint_dir", "=")],
-    # A Trainer otherwise sets its own 30-minute collective timeout (ddp_timeout), which no env reaches.
+    # A Trainer otherwise sets its own 30-minute collective timeout (ddp_timeout), which no env reaches. It saves
+    # its own files (state, weights, rng) from each node's main process on per-worker volumes, and from the job's
+    # main process only on a shared one (each node would write the same names there).
     "huggingface": [("--deepspeed", "ds_config", " "), ("--output_dir", "checkpoint_dir", " "),
-                    ("--ddp_timeout", "collective_timeout_s", " ")],
+                    ("--ddp_timeout", "collective_timeout_s", " "),
+                    ("--save_on_each_node", "per_worker_storage", " ")],
     "deepspeed": [("--deepspeed", None, None), ("--deepspeed_config", "ds_config", " ")],
     "none": [],
 }

@@ -1,7 +1,8 @@
 """Hang detection, progress and goodput for Hugging Face Trainer programs, at the cost of one line:
 `Trainer(..., callbacks=[RankHeartbeat()])`. The rank beats after every optimizer step (train/rankstate.py, which
 the chart's watchdog reads), reports `saving` while the Trainer writes a checkpoint and stays alive through
-evaluation, so that neither is taken for a hang; the watchdog's stack dump works from the first report. Rank 0
+evaluation, so that neither is taken for a hang; the watchdog's stack dump works from the first report. On
+per-worker checkpoint volumes it completes each worker's copy of a checkpoint (mark_latest). Rank 0
 also publishes what the Trainer logs (loss, learning rate, total steps, the last checkpoint), which the chart's
 progress ConfigMap and metrics show, and keeps the job's goodput records (train/goodput.py) in DS_CHECKPOINT_DIR
 (else the output dir), printing the split at the end.
@@ -15,11 +16,21 @@ import time
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from train import rankstate
+from train import checkpoint, rankstate
 from train.goodput import Goodput
 from train.goodput import describe as goodput_line
 from train.goodput import published as goodput_fields
+
+
+def mark_latest(directory: Path, step: int) -> None:
+    """DeepSpeed writes a checkpoint's `latest` (the tag its load_checkpoint() reads) on global rank 0 only: on
+    per-worker volumes (the chart's DS_CHECKPOINT_STORAGE) each other worker's local main process writes its own,
+    once its ranks' files of the tag are there, or its next attempt could not resume."""
+    tag = f"global_step{step}"
+    if (directory / tag).is_dir() and not (directory / "latest").exists():
+        checkpoint.write_atomic(directory / "latest", tag)
 
 
 class RankHeartbeat(TrainerCallback):
@@ -51,6 +62,8 @@ class RankHeartbeat(TrainerCallback):
             rankstate.report("saving", state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
+        if state.is_local_process_zero and os.environ.get(checkpoint.STORAGE_ENV) == checkpoint.PER_WORKER:
+            mark_latest(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", state.global_step)
         now = time.time()
         if self._goodput:
             self._goodput.saved(state.global_step, now - self._mark)

@@ -46,10 +46,16 @@ def check(train_package: bool, fills_auto: bool, cpu_ranks: bool, argv: list[str
         cfg = parse_args(argv)
         layout, ds_config, batch = check_config(cfg, world_size)
     else:
+        from train import checkpoint
+        from train.config import ConfigError
         path = os.environ["DS_CONFIG_PATH"]
         layout = Layout(world_size)
         ds_config = dsconfig.load(path)
         batch = dsconfig.check_run(ds_config, layout, path, fills_auto=fills_auto)
+        try:
+            checkpoint.check_storage(ds_config, layout, checkpoint.storage(), path)
+        except checkpoint.CheckpointError as err:
+            raise ConfigError(str(err)) from None
     if cpu_ranks:
         dsconfig.check_optimizer_kernel(ds_config, "cpu", os.environ["DS_CONFIG_PATH"])
     micro, accum, total = ("auto" if n is None else n for n in batch)

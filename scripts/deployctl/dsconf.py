@@ -59,6 +59,14 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
                                    fills_auto=effective["train"]["fillsDsConfigAuto"])
     except dsconfig.DsConfigError as err:
         raise DeployError(str(err)) from None
+    from train import checkpoint  # noqa: PLC0415 - imports DeepSpeed's comm, which only this check needs
+
+    storage = checkpoint.storage_for(effective["worker"]["replicas"], bool(effective["checkpoints"]["existingClaim"]))
+    try:
+        checkpoint.check_storage(ds_config, layout, storage, ds_source)
+    except checkpoint.CheckpointError as err:
+        raise DeployError(f"{source_of(origin, ('chart', 'worker', 'replicas'))}: chart.worker.replicas "
+                          f"{effective['worker']['replicas']}: {err}") from None
     return ds_config, batch
 
 

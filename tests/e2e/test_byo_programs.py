@@ -37,9 +37,10 @@ HF_ARGS = ["--use_cpu", "--per_device_train_batch_size=4", "--learning_rate=2e-3
 
 
 def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_heartbeat(shared_dir, tmp_path):
-    claim = tmp_path / "claim"
-    claim.mkdir(mode=0o777)
-    claim.chmod(0o777)
+    """On the chart's default storage, a volume per worker pod: the chart passes --save_on_each_node and DeepSpeed's
+    use_node_local_storage, so each worker keeps what its ranks load. A redeploy is played by copying each worker's
+    volume into the next cluster's pod of the same index (a StatefulSet's claim per worker would keep it)."""
+    kept = [tmp_path / "worker-0", tmp_path / "worker-1"]
 
     def hf_values(max_steps):
         values = program_values(shared_dir, script=str(ROOT / "examples" / "hf_trainer.py"),
@@ -47,16 +48,24 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
                                 args=[*HF_ARGS, f"--max_steps={max_steps}"])
         values["deepspeed"]["config"] = hf_ds_config()
         values["hangDetection"] = {"enabled": True, "startupSeconds": 120, "stepSeconds": 10}
+        del values["checkpoints"]
         return values
 
     with Cluster(render(hf_values(10))) as cluster:
         code, log = cluster.run_launcher(timeout=300)
-        subprocess.run(["cp", "-a", f"{cluster.checkpoint_dir()}/.", str(claim)], check=True)
+        for worker, copy in zip(cluster.pods_of("worker"), kept, strict=True):
+            subprocess.run(["cp", "-a", str(cluster.checkpoint_dir(worker)), str(copy)], check=True)
     assert code == 0, log[-5000:]
     assert "--deepspeed /etc/deepspeed/config/ds_config.json --output_dir /checkpoints" in log
     assert f"--ddp_timeout {COLLECTIVE_TIMEOUT_MINUTES * 60}" in log  # the chart's one collective timeout
-    assert (claim / "checkpoint-10").is_dir() and (claim / "checkpoint-5").is_dir()
-    history = json.loads((claim / "log_history.json").read_text())
+    assert "--save_on_each_node true" in log  # per-worker volumes: each worker saves the Trainer's files too
+    for copy in kept:  # each worker holds a whole checkpoint for its ranks: the Trainer's files and DeepSpeed's
+        for tag in ("checkpoint-5", "checkpoint-10"):
+            assert (copy / tag / "trainer_state.json").is_file(), sorted(p.name for p in copy.rglob("*"))
+            assert list((copy / tag).glob("global_step*/mp_rank_00_model_states.pt")), sorted(copy.rglob("*"))
+            # DeepSpeed's marker, which global rank 0 writes; on worker 1 the chart's callback (mark_latest).
+            assert (copy / tag / "latest").read_text() == f"global_step{tag.split('-')[1]}"
+    history = json.loads((kept[0] / "log_history.json").read_text())
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert len(losses) == 5 and losses[-1] < losses[0], losses
     assert goodput_split(log)["attempts"] == 1, log[-3000:]  # the callback's goodput line, as the train package's
@@ -65,18 +74,19 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
     # stops. The Trainer's own collective timeout would wait; the heartbeat of the example's one-line callback
     # ends the attempt within the budget, and the retry in the pod resumes from the newest checkpoint.
     with Cluster(render(hf_values(60))) as cluster:
-        subprocess.run(["cp", "-a", f"{claim}/.", str(cluster.checkpoint_dir())], check=True)
         workers = cluster.start_workers()
+        volumes = [cluster.checkpoint_dir(w) for w in workers]
+        for copy, volume in zip(kept, volumes, strict=True):
+            subprocess.run(["cp", "-a", f"{copy}/.", str(volume)], check=True)
         launcher = cluster.pods_of("launcher")[0]
         run = cluster.start(launcher)
-        ckpt = cluster.checkpoint_dir()
-        wait_for(lambda: (ckpt / "checkpoint-20").is_dir(), 180, "checkpoint-20", launcher.log)
+        wait_for(lambda: all((v / "checkpoint-20").is_dir() for v in volumes), 180, "checkpoint-20", launcher.log)
         stop_in_a_step(cluster, workers[1], launcher)
         stopped_at, stopped_wall = time.monotonic(), time.time()
         detected_at = wait_for(lambda: "hang on" in launcher.log(), 60, "the hang report", launcher.log)
         code = wait(run, timeout=300)
         log = launcher.log()
-        reports = list((ckpt / "_job" / "diagnostics").glob("run-*/*.txt"))
+        reports = [p for v in volumes for p in (v / "_job" / "diagnostics").glob("run-*/*.txt")]
         reported = min(p.stat().st_mtime for p in reports) - stopped_wall if reports else None
         published = cluster.progress(workers[0])  # rank 0's, for the progress sidecar: the split unrounded
     assert code == 0, log[-5000:]

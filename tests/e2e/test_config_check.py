@@ -16,7 +16,8 @@ from tests.support.harness import Cluster, ensure_user, wait
 
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-CPU = {"worker": {"replicas": 2, "gpuResourceName": ""}}
+# A shared claim: the programs of their own here resume from DeepSpeed's `latest`, which one volume must hold.
+CPU = {"worker": {"replicas": 2, "gpuResourceName": ""}, "checkpoints": {"existingClaim": "checkpoints"}}
 MICRO = {"train_micro_batch_size_per_gpu": 1}
 BYO = {"script": "/opt/app/train.py", "argsConvention": "deepspeed"}  # a program of its own: the ds_config only
 
@@ -55,6 +56,9 @@ REFUSED = {
     # the train package: its layout, config and arguments, as its ranks parse them
     "pipeline stages that do not divide the world": (
         {"train": {"config": {"model": {"pipeline_stages": 3}}}}, ["pipeline_stages 3", "world size 2"]),
+    "pipeline stages on per-worker checkpoint volumes": (
+        {"checkpoints": {}, "deepspeed": {"config": {**MICRO, "zero_optimization": {"stage": 1}}},
+         "train": {"config": {"model": {"pipeline_stages": 2}}}}, ["model.pipeline_stages 2", "per-worker"]),
     "pipeline stages with ZeRO 2": (
         {"deepspeed": {"config": {**MICRO, "zero_optimization": {"stage": 2}}},
          "train": {"config": {"model": {"pipeline_stages": 2}}}}, ["ZeRO", "stage 2"]),

@@ -1,7 +1,8 @@
 """Hangs and stragglers on the namespace hosts, both launch modes, with the budgets shortened by values: a hung
 rank is found by the watchdog in its pod within its budget, every rank's place is reported (the culprit named
-with its stack, in the log and under <checkpoints>/diagnostics/), and the retry resumes from the last complete
-checkpoint and finishes. A rank slowed by a SIGSTOP/SIGCONT duty cycle is named as a straggler first."""
+with its stack, in the log and under <checkpoints>/_job/diagnostics/), and the retry resumes from the last complete
+checkpoint and finishes. A rank slowed by a SIGSTOP/SIGCONT duty cycle is named as a straggler first. Both drills
+run on the chart's default storage, an emptyDir per worker pod (per-worker checkpoint volumes)."""
 
 import json
 import os
@@ -34,14 +35,19 @@ def hang_values(shared_dir, mode: str, steps: int) -> dict:
 
 
 def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_retry_resumes(shared_dir):
+    """On the chart's default storage: an emptyDir per worker pod (per-worker checkpoint volumes; the ledger in the
+    launcher pod), which the retry in the same pods keeps."""
     values = hang_values(shared_dir, "ssh", steps=300)
+    del values["checkpoints"]
     values["train"]["config"]["model"] = {"n_layer": 4, "d_model": 128, "seq_len": 64}  # steps of some ms to slow
     with Cluster(render(values)) as cluster:
         workers = cluster.start_workers()
         launcher = cluster.pods_of("launcher")[0]
         run = cluster.start(launcher)
-        ckpt = cluster.checkpoint_dir()
-        wait_for(lambda: checkpoint.is_complete(ckpt / "step_00000040"), 180, "checkpoint 40", launcher.log)
+        volumes = [cluster.checkpoint_dir(w) for w in workers]
+        ckpt = volumes[0]  # rank 0's: the run's metrics.json
+        wait_for(lambda: all(checkpoint.is_complete(v / "step_00000040") for v in volumes), 180, "checkpoint 40",
+                 launcher.log)
         assert "straggler" not in launcher.log()  # a healthy run names no rank
         victim = cluster.rank_pids(workers[1], ranks_only=True)[0]
         stop = threading.Event()
@@ -65,7 +71,8 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+: process stopped", log), log[-4000:]
         # The job's verdict, from both hosts' reports: the stopped rank on the second host, not the first host's rank
         # that waits for it in a collective (what the progress ConfigMap showed before).
-        [cause] = [json.loads(p.read_text()) for p in (ckpt / "_job" / "attempts").glob("*/0001/cause.json")]
+        ledger = cluster.rank_state_dir(launcher) / "attempts"
+        [cause] = [json.loads(p.read_text()) for p in ledger.glob("*/0001/cause.json")]
         assert cause["culprit"] == f"rank 1 on {workers[1].hostname}", cause
         assert f"hang: rank 1 on {workers[1].hostname} is the likely culprit (its process is stopped, after step " \
                in cause["reason"] and f"(rank 0 on {workers[0].hostname})" in cause["reason"], cause
@@ -75,11 +82,12 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: (\w+) .*; last "
                             r"recorded collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log)
         assert waiting, "\n".join(line for line in log.splitlines() if "hang on" in line or "rank " in line)
-        diagnostics = list((ckpt / "_job" / "diagnostics").glob("run-*/*.txt"))
+        diagnostics = [p for v in volumes for p in (v / "_job" / "diagnostics").glob("run-*/*.txt")]
         assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
         assert any("File " in p.read_text() and f"in {waiting[1]}" in p.read_text() for p in diagnostics)
-        recorders = list((ckpt / "_job" / "diagnostics").glob("run-*/*-rank0.fr.json"))
-        assert len(recorders) == 1 and not list((ckpt / "_job" / "diagnostics").glob("run-*/*-rank1.fr.json"))
+        recorders = [p for v in volumes for p in (v / "_job" / "diagnostics").glob("run-*/*-rank0.fr.json")]
+        assert len(recorders) == 1 and not [p for v in volumes for p in (v / "_job" / "diagnostics").glob(
+            "run-*/*-rank1.fr.json")]
         entries = json.loads(recorders[0].read_text())["entries"]
         pending = [e for e in entries if not e["retired"]]
         oldest = min(pending, key=lambda e: e["record_id"])
@@ -88,7 +96,7 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         retry = log[log.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
         assert resumed >= 40 and max(step_losses(retry)) == 300
-        assert checkpoint.is_complete(ckpt / "step_00000300")
+        assert all(checkpoint.is_complete(v / "step_00000300") for v in volumes)
         # Goodput: time hung runs from the last step, within a step of the test's stop, to the first watchdog's
         # report; the steps after the checkpoint the retry resumed from (saved every 20 steps) are recomputation.
         split = json.loads((ckpt / "metrics.json").read_text())["goodput_s"]
@@ -101,7 +109,10 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
 
 
 def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and_the_retry_finishes(shared_dir):
+    """On the chart's default storage: an emptyDir per worker pod (per-worker checkpoint volumes), which the
+    retry in the same pods keeps."""
     values = hang_values(shared_dir, "nossh", steps=80)
+    del values["checkpoints"]
     values["train"]["module"] = "tests.e2e.hang_probe"
     values["env"] += [{"name": "HANG_RANK", "value": "1"}, {"name": "HANG_AT_STEP", "value": "50"}]
     with Cluster(render(values)) as cluster:
@@ -114,9 +125,10 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         assert re.search(r"watchdog: \S+: rank 1 \(pid \d+, local rank 0\) on \S+: in read_the_stuck_mount "
                          r"\(\S+hang_probe.py:\d+\), not in a collective; likely the culprit", log1), log1[-4000:]
         assert re.search(r"made no progress for \d+s \(budget 10s, training after step 49\)", log1), log1[-4000:]
-        ckpt = cluster.checkpoint_dir()
+        ckpt0, ckpt1 = cluster.checkpoint_dir(worker0), cluster.checkpoint_dir(worker1)
+        assert ckpt0 != ckpt1  # each worker's own volume
         run = re.search(r"hang on \S+ \((run-\S+)\)", log1).group(1)
-        assert "read_the_stuck_mount" in (ckpt / "_job" / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
+        assert "read_the_stuck_mount" in (ckpt1 / "_job" / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
         # Its flight recorder: every collective it started completed. Rank 0's, when worker 0's watchdog saw the
         # stall before rank 1 was ended (both judge the same last step), waits in the next one.
         culprit = re.search(r"likely the culprit: .*; last recorded collective #(\d+) gloo:\w+ in group (\S+) "
@@ -126,7 +138,7 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
                             r"collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log0)
         assert waiting is None or waiting[2] != culprit[2] or int(waiting[1]) == int(culprit[1]) + 1, log0[-3000:]
         # The job's verdict, from both workers' reports at the start barrier: the blocked rank on the second host.
-        [cause] = [json.loads(p.read_text()) for p in (ckpt / "_job" / "attempts").glob("*/0001/cause.json")]
+        [cause] = [json.loads(p.read_text()) for p in (ckpt0 / "_job" / "attempts").glob("*/0001/cause.json")]
         assert cause["culprit"] == f"rank 1 on {worker1.hostname}", cause
         assert "is the likely culprit (it is stuck outside any collective: in read_the_stuck_mount" in \
             cause["reason"], cause
@@ -135,3 +147,8 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         assert "running (run-0002-" in log1
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", log0).group(1))
         assert resumed == 40 and max(step_losses(log0)) == 80
+        # From the part each worker committed on its own volume: every tag the run kept is on both.
+        for directory in (ckpt0, ckpt1):
+            assert checkpoint.read_manifest(directory / "step_00000080")["storage"] == checkpoint.PER_WORKER
+            assert [t.name for t in checkpoint.tags_newest_first(directory)] == [
+                "step_00000080", "step_00000060", "step_00000040"]

@@ -343,11 +343,14 @@ class Cluster:
     def _materialize(self, pod: Pod) -> dict[str, Path]:
         return materialize_volumes(self.docs, pod, self.tmp / f"{pod.name}.{pod.attempt}", self.claim_dir)
 
-    def checkpoint_dir(self) -> Path:
-        """What the worker pods see at checkpoints.mountPath: the release's own directory on the claim."""
-        pod = self.pods_of("worker")[0]
+    def checkpoint_dir(self, pod: Pod | None = None) -> Path:
+        """What a worker pod (the first by default) sees at checkpoints.mountPath: the release's own directory on
+        the claim, or the pod's own volume (an emptyDir: started pods only)."""
+        pod = pod or self.pods_of("worker")[0]
         mount = next(m for m in pod.container["volumeMounts"] if m["name"] == "checkpoints")
         volume = next(v for v in pod.volumes if v["name"] == "checkpoints")
+        if "persistentVolumeClaim" not in volume:
+            return pod.mounts[mount["mountPath"]]
         return self.claim_dir(volume["persistentVolumeClaim"]["claimName"], mount.get("subPath", ""))
 
     # ---- processes

@@ -382,13 +382,16 @@ and the pod need to stop. */}}
 {{ include "deepspeed-training.programPathsEnv" . | trim }}
 {{- end }}
 
-{{/* The chart's paths in the program's env: every rank's, and the config check's. */}}
+{{/* The chart's paths in the program's env, and how its checkpoint directory is stored: every rank's, and the
+config check's. */}}
 {{- define "deepspeed-training.programPathsEnv" -}}
 {{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
 {{- range $name, $path := dict "DS_CONFIG_PATH" "ds_config" "DS_TRAIN_CONFIG_PATH" "train_config" "DS_CHECKPOINT_DIR" "checkpoint_dir" "DS_DATA_DIR" "data_dir" }}
 - name: {{ $name }}
   value: {{ get $paths $path | quote }}
 {{- end }}
+- name: DS_CHECKPOINT_STORAGE
+  value: {{ include "deepspeed-training.checkpointStorage" . | quote }}
 {{- end }}
 
 {{/* Env of the containers that run `deepspeed` (ssh: the launcher; nossh: every worker). */}}
@@ -429,8 +432,9 @@ starts its own count.
 {{- end }}
 
 {{/*
-The ds_config the pods get, as JSON: deepspeed.config (or files/ds_config.default.json) as given, and with
-launcher.autotuning its `autotuning` section switched on, writing under the release's checkpoint directory
+The ds_config the pods get, as JSON: deepspeed.config (or files/ds_config.default.json) as given, with
+`checkpoint.use_node_local_storage` on per-worker checkpoint volumes, and with launcher.autotuning its
+`autotuning` section switched on, writing under the release's checkpoint directory
 (the user's search-space keys kept; `overwrite: false` unless set, so a retried tuning keeps the experiments
 already done).
 */}}
@@ -443,6 +447,11 @@ already done).
 {{- if and (kindIs "map" $monitor) $monitor.enabled (not $monitor.output_path) }}
 {{- $_ := set $config $section (merge (dict "output_path" (printf "%s/monitor/" (clean $.Values.checkpoints.mountPath))) $monitor) }}
 {{- end }}
+{{- end }}
+{{- /* Per-worker volumes: each worker's local rank 0 writes the model states too, so every worker holds what its
+       ranks load (DeepSpeed's checkpoint.use_node_local_storage; validateDsConfig refuses a value against it). */}}
+{{- if eq (include "deepspeed-training.checkpointStorage" .) "per-worker" }}
+{{- $_ := set $config "checkpoint" (merge (dict "use_node_local_storage" true) (deepCopy ($config.checkpoint | default dict))) }}
 {{- end }}
 {{- if .Values.launcher.autotuning }}
 {{- $dir := printf "%s/autotuning" (clean .Values.checkpoints.mountPath) }}
@@ -472,8 +481,16 @@ shared claim (attemptsDir), and for the autotuner's experiments. */}}
 {{- if or .Values.launcher.autotuning .Values.checkpoints.existingClaim }}true{{ end }}
 {{- end }}
 
+{{/* How the ranks' checkpoint directory is stored (DS_CHECKPOINT_STORAGE; train/checkpoint.py storage_for owns
+the rule): "per-worker" when several workers have no shared claim, each worker's ranks writing to their pod's own
+volume, else "shared". */}}
+{{- define "deepspeed-training.checkpointStorage" -}}
+{{- if and (gt (int .Values.worker.replicas) 1) (not .Values.checkpoints.existingClaim) }}per-worker{{ else }}shared{{ end }}
+{{- end }}
+
 {{/* The checkpoint volumes of a pod (workers; the launcher, see launcherMountsCheckpoints). A per-worker PVC
-(checkpoints.volumeClaimSpec) comes from the StatefulSet's volumeClaimTemplates instead. */}}
+(checkpoints.volumeClaimSpec) comes from the StatefulSet's volumeClaimTemplates in launchMode ssh, and is a
+generic ephemeral volume of each worker pod in launchMode nossh. */}}
 {{- define "deepspeed-training.checkpointVolumes" -}}
 {{- if .Values.checkpoints.existingClaim }}
 - name: checkpoints
@@ -482,6 +499,12 @@ shared claim (attemptsDir), and for the autotuner's experiments. */}}
 {{- else if not .Values.checkpoints.volumeClaimSpec }}
 - name: checkpoints
   emptyDir: {}
+{{- else if eq .Values.launchMode "nossh" }}
+- name: checkpoints
+  ephemeral:
+    volumeClaimTemplate:
+      spec:
+        {{- toYaml .Values.checkpoints.volumeClaimSpec | nindent 8 }}
 {{- end }}
 {{- end }}
 
@@ -527,6 +550,7 @@ spellings there.
 {{- define "deepspeed-training.conventionArgs" -}}
 {{- $values := include "deepspeed-training.programPaths" . | fromJson }}
 {{- $_ := set $values "collective_timeout_s" (mul (int .Values.deepspeed.collectiveTimeoutMinutes) 60 | toString) }}
+{{- $_ := set $values "per_worker_storage" (eq (include "deepspeed-training.checkpointStorage" .) "per-worker" | toString) }}
 {{- $convention := get (include "deepspeed-training.conventions" . | fromJson) .Values.train.argsConvention }}
 {{- $args := list }}
 {{- range $convention.passes }}

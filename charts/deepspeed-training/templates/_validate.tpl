@@ -10,6 +10,7 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- include "deepspeed-training.validateLabels" . }}
 {{- include "deepspeed-training.validateProgram" . }}
 {{- include "deepspeed-training.validateDsConfig" . }}
+{{- include "deepspeed-training.validateCheckpointStorage" . }}
 {{- include "deepspeed-training.validateLaunchMode" . }}
 {{- include "deepspeed-training.validateResources" . }}
 {{- with .Values.scheduling }}
@@ -78,9 +79,6 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- end }}
 {{- if ge (int .Values.deepspeed.masterPort) 65535 }}
 {{- fail (printf "deepspeed.masterPort: %d leaves no port for the start barrier of launchMode nossh (the next port); use a port below 65535" (int .Values.deepspeed.masterPort)) }}
-{{- end }}
-{{- if and .Values.checkpoints.volumeClaimSpec (not .Values.checkpoints.existingClaim) }}
-{{- fail "checkpoints.volumeClaimSpec (a PVC per worker) needs the StatefulSet of launchMode ssh; with launchMode nossh use checkpoints.existingClaim (a ReadWriteMany PVC), which outlives the Job's pods" }}
 {{- end }}
 {{- $lastHost := printf "%s-%d" (include "deepspeed-training.workerPodPrefix" .) (sub (int .Values.worker.replicas) 1) }}
 {{- if gt (len $lastHost) 63 }}
@@ -364,6 +362,24 @@ hook (templates/config-check.yaml) before `helm install` creates anything else, 
 {{- end }}
 {{- end }}
 
+{{/* What per-worker checkpoint volumes (several workers, no shared claim: checkpointStorage) need of the program and
+its ds_config; train/checkpoint.py check_storage checks the parallel layout. */}}
+{{- define "deepspeed-training.validateCheckpointStorage" -}}
+{{- if and (eq (include "deepspeed-training.checkpointStorage" .) "per-worker") (has .Values.train.argsConvention (list "deepspeed" "none")) }}
+{{- fail (printf "checkpoints: %d workers without checkpoints.existingClaim keep their checkpoints on volumes of their own, and DeepSpeed writes the `latest` tag a plain engine.load_checkpoint() resumes from on global rank 0's only: a program of train.argsConvention %q would resume rank 0 alone. Set checkpoints.existingClaim (a ReadWriteMany PVC), or run one worker; the train package and Trainer programs with the chart's callback resume per-worker volumes" (int .Values.worker.replicas) .Values.train.argsConvention) }}
+{{- end }}
+{{- $config := .Values.deepspeed.config | default dict }}
+{{- if and (kindIs "map" $config.checkpoint) (hasKey $config.checkpoint "use_node_local_storage") }}
+{{- $local := $config.checkpoint.use_node_local_storage }}
+{{- if and (eq (include "deepspeed-training.checkpointStorage" .) "per-worker") (not $local) }}
+{{- fail (printf "deepspeed.config.checkpoint.use_node_local_storage: %v, but each worker keeps its checkpoints on its own volume (worker.replicas %d, no checkpoints.existingClaim): every worker must write the model states its ranks load; remove the key, the chart sets it" $local (int .Values.worker.replicas)) }}
+{{- end }}
+{{- if and .Values.checkpoints.existingClaim (gt (int .Values.worker.replicas) 1) $local }}
+{{- fail (printf "deepspeed.config.checkpoint.use_node_local_storage: %v with a shared claim (checkpoints.existingClaim): every worker would write the same model-state files into one directory; remove the key" $local) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/*
 Every way these values relax the chart's security defaults, one line each naming the key. Empty for the
 defaults. templates/validate.yaml refuses a non-empty list unless allowSecurityRelaxations is true; then
@@ -431,6 +447,13 @@ securityContext.capabilities.drop does not hold ALL
 {{- range $caps.add }}
 {{- if ne . "NET_BIND_SERVICE" }}
 securityContext.capabilities.add: {{ . }}
+{{- end }}
+{{- end }}
+{{- /* A per-worker checkpoint claim is the release's own new volume: one that binds an existing volume or starts as
+       a copy of another claim or snapshot reads data the release does not own. */}}
+{{- range $key := list "selector" "dataSource" "dataSourceRef" }}
+{{- if hasKey ($.Values.checkpoints.volumeClaimSpec | default dict) $key }}
+checkpoints.volumeClaimSpec.{{ $key }}: a checkpoint volume made from storage the release does not own
 {{- end }}
 {{- end }}
 {{- range $i, $v := .Values.worker.extraVolumes }}

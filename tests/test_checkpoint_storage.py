@@ -1,0 +1,114 @@
+"""Per-worker checkpoint volumes (DS_CHECKPOINT_STORAGE=per-worker): two workers of one rank each, each rank with a
+directory of its own that the other never sees, as two pods' volumes are; the real DeepSpeed engine on CPU ranks.
+The namespace-host drill (tests/e2e/test_hangs.py) runs the same through the chart in both launch modes."""
+
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from tests.support.ports import free_port
+from tests.support.train_run import Ranks, cpu_ds_config, metrics, train_env, write_ds_config
+from train import checkpoint
+
+TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
+
+
+def run_workers(args: list[str], dirs: list, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Rank r on worker r (local rank 0 of a one-rank node, as DeepSpeed's launcher starts it on host r), saving
+    into dirs[r]."""
+    env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(dirs)),
+           "LOCAL_SIZE": "1", "CROSS_SIZE": str(len(dirs)), checkpoint.STORAGE_ENV: checkpoint.PER_WORKER}
+    ranks = [(["--local_rank=0", *args, "--checkpoint-dir", str(d)],
+              {**env, "RANK": str(r), "LOCAL_RANK": "0", "CROSS_RANK": str(r)}) for r, d in enumerate(dirs)]
+    process = Ranks(args, ranks)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+    return subprocess.CompletedProcess(args, process.returncode, out, "")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """16 steps in one run on two workers' volumes (ZeRO-2, checkpoints every 4; 8, 12, 16 kept)."""
+    tmp = tmp_path_factory.mktemp("per-worker")
+    ds_config = write_ds_config(tmp, cpu_ds_config(stage=2, micro=2, accum=2,
+                                                   checkpoint={"use_node_local_storage": True}))
+    dirs = [tmp / "worker-0", tmp / "worker-1"]
+    result = run_workers(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4", *TINY], dirs)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return ds_config, dirs
+
+
+def test_each_worker_commits_the_part_its_volume_holds(reference):
+    _, (first, second) = reference
+    for rank, directory in enumerate((first, second)):
+        manifest = checkpoint.read_manifest(directory / "step_00000016")
+        assert manifest["storage"] == checkpoint.PER_WORKER and manifest["world_size"] == 2
+        files = set(manifest["files"])
+        # Its own optimizer shard only, and the model states every rank loads (use_node_local_storage).
+        assert f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in files, files
+        assert f"zero_pp_rank_{1 - rank}_mp_rank_00_optim_states.pt" not in files, files
+        assert "mp_rank_00_model_states.pt" in files, files
+        assert (directory / "latest").read_text() == "step_00000016"
+        assert [t.name for t in checkpoint.tags_newest_first(directory)] == [
+            "step_00000016", "step_00000012", "step_00000008"]
+
+
+def test_a_resume_reads_each_workers_own_volume_and_continues_with_the_same_losses(tmp_path, reference):
+    ds_config, reference_dirs = reference
+    dirs = [tmp_path / "worker-0", tmp_path / "worker-1"]
+    common = ["--ds-config", str(ds_config), "--checkpoint-every", "4", *TINY]
+    first = run_workers([*common, "--steps", "8"], dirs)
+    assert first.returncode == 0, first.stdout[-4000:]
+    second = run_workers([*common, "--steps", "16"], dirs)
+    assert second.returncode == 0, second.stdout[-4000:]
+    assert f"resumed from {dirs[0] / 'step_00000008'} at step 8" in second.stdout
+    resumed, expected = dict(metrics(dirs[0])["losses"]), dict(metrics(reference_dirs[0])["losses"])
+    assert sorted(resumed) == list(range(9, 17))
+    for step in range(9, 17):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+
+
+def test_a_tag_one_worker_did_not_commit_is_skipped_and_a_lost_volume_stops_the_job(tmp_path, reference):
+    """A crash between two workers' commits leaves a tag committed on one volume only: no rank resumes from it.
+    A worker whose volume is gone (a new pod, a new node) cannot resume its part: the job stops, exit 2, saying
+    so, instead of training from step 0 or from a checkpoint only some ranks have."""
+    ds_config, reference_dirs = reference
+    dirs = [tmp_path / "worker-0", tmp_path / "worker-1"]
+    for source, target in zip(reference_dirs, dirs, strict=True):
+        shutil.copytree(source, target)
+    (dirs[1] / "step_00000016" / checkpoint.COMMIT_FILE).unlink()
+    result = run_workers(["--ds-config", str(ds_config), "--steps", "14", *TINY], dirs)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert f"skipping incomplete checkpoint {dirs[0] / 'step_00000016'}" in result.stdout
+    assert f"resumed from {dirs[0] / 'step_00000012'} at step 12" in result.stdout
+    shutil.rmtree(dirs[1])
+    dirs[1].mkdir()
+    lost = run_workers(["--ds-config", str(ds_config), "--steps", "20", *TINY], dirs)
+    assert lost.returncode == 2, lost.stdout[-4000:]
+    assert f"checkpoint {dirs[0] / 'step_00000016'} is complete on rank(s) [0] but not on rank(s) [1]: each " \
+           "worker keeps its ranks' part on its own volume" in lost.stdout, lost.stdout[-3000:]
+    assert "Traceback" not in lost.stdout
+
+
+def test_what_per_worker_volumes_cannot_hold_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    from train.layout import Layout
+
+    with pytest.raises(checkpoint.CheckpointError, match="model.pipeline_stages 2 with per-worker checkpoint volumes"):
+        checkpoint.check_storage({}, Layout(4, 2), checkpoint.PER_WORKER, "ds.json")
+    with pytest.raises(checkpoint.CheckpointError, match="zero_optimization.elastic_checkpoint"):
+        checkpoint.check_storage({"zero_optimization": {"elastic_checkpoint": True}}, Layout(4), checkpoint.PER_WORKER,
+                                 "ds.json")
+    checkpoint.check_storage({"zero_optimization": {"elastic_checkpoint": True}}, Layout(4, 2), checkpoint.SHARED, "x")
+    monkeypatch.setenv(checkpoint.STORAGE_ENV, checkpoint.PER_WORKER)
+    layout = {"world_size": 2, "zero_stage": 2, "pipeline_stages": 1}
+    with pytest.raises(checkpoint.CheckpointError, match="per-worker volumes .* each hold their workers' only"):
+        checkpoint.cross_layout_load(tmp_path, {**layout, "world_size": 4}, layout, True, False)
+    monkeypatch.setenv(checkpoint.STORAGE_ENV, "nfs")
+    with pytest.raises(checkpoint.CheckpointError, match="DS_CHECKPOINT_STORAGE='nfs': expected 'shared' or"):
+        checkpoint.storage()
