@@ -8,6 +8,7 @@
 - from train/podstate.py, the pods' run-time protocol: podstate.py (the same bytes, for the Python pod scripts, which
   run under `python3 -I` and import it from the scripts' `generated/`) and podstate.sh (its constants, for the bash
   pod scripts to source);
+- from train/tags.py, which checkpoints are complete: tags.py (the same bytes, for files/objectstore.py);
 - from pyproject.toml (scripts/pins.py): Chart.yaml's `version` and `appVersion`, the project's version.
 
     python scripts/chart_data.py           # rewrite charts/deepspeed-training/files/generated/
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.pins import pins  # noqa: E402
-from train import conventions, podstate  # noqa: E402
+from train import conventions, podstate, tags  # noqa: E402
 from train.deepspeed_mirror import LAUNCHER_ENV, PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
 
 CHART = ROOT / "charts" / "deepspeed-training"
@@ -52,6 +53,7 @@ def chart_yaml() -> str:
 TARGETS = {CHART / "Chart.yaml": chart_yaml,
            GENERATED / "deepspeed.json": deepspeed_json, GENERATED / "conventions.json": conventions_json,
            GENERATED / "podstate.py": lambda: Path(podstate.__file__).read_text(),
+           GENERATED / "tags.py": lambda: Path(tags.__file__).read_text(),
            GENERATED / "podstate.json": lambda: json.dumps({
                "generated": "by scripts/chart_data.py from train/podstate.py; do not edit",
                **podstate.chart_constants()}, indent=1) + "\n",

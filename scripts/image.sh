@@ -96,16 +96,17 @@ build_hf() {
 }
 
 build_sidecar() {
-  local tool args=() kubernetes prometheus_client
+  local tool args=() kubernetes prometheus_client minio
   tool=$(engine)
-  read -r kubernetes prometheus_client < <(python3 scripts/pins.py kubernetes prometheus-client)
+  read -r kubernetes prometheus_client minio < <(python3 scripts/pins.py kubernetes prometheus-client minio)
   if [[ -s "${SSL_CERT_FILE:-}" ]]; then args+=(--secret "id=ca,src=$SSL_CERT_FILE"); fi
   if [[ -n "${BASE:-}" ]]; then args+=(--build-arg "BASE=$BASE"); fi
   if [[ "$tool" == podman ]]; then args+=(--format docker); fi
   if [[ "$tool" == podman && -z "${BASE:-}" ]] && podman image exists debian:bookworm-slim; then args+=(--pull=never); fi
   log "$tool build $SIDECAR_IMAGE (the progress sidecar)"
   "$tool" build -f docker/Dockerfile.sidecar --build-arg "KUBERNETES_VERSION=$kubernetes" \
-    --build-arg "PROMETHEUS_CLIENT_VERSION=$prometheus_client" "${args[@]}" -t "$SIDECAR_IMAGE" .
+    --build-arg "PROMETHEUS_CLIENT_VERSION=$prometheus_client" --build-arg "MINIO_VERSION=$minio" "${args[@]}" \
+    -t "$SIDECAR_IMAGE" .
 }
 
 push() {

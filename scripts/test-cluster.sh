@@ -13,6 +13,8 @@ version=$(python3 scripts/pins.py version)
 image="${DS_TEST_IMAGE:-localhost/deepspeed-train:$version-cpu}"
 sidecar_image="${DS_TEST_SIDECAR_IMAGE:-localhost/deepspeed-sidecar:$version}"
 pytest_args=(tests/cluster -v -rP -p no:cacheprovider --durations=0)  # -rP: what passing tests print (timings, summaries)
+read -ra extra <<< "${CLUSTER_PYTEST_ARGS:-}"  # e.g. CLUSTER_PYTEST_ARGS="-k bucket": some of the tier
+pytest_args+=("${extra[@]}")
 
 if [[ -n "${KUBECONFIG:-}" ]]; then
   : "${DS_IMAGE:?DS_IMAGE is required with KUBECONFIG: an image of docker/Dockerfile (VARIANT=cpu) the nodes can pull}"

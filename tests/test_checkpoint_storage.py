@@ -2,34 +2,14 @@
 directory of its own that the other never sees, as two pods' volumes are; the real DeepSpeed engine on CPU ranks.
 The namespace-host drill (tests/e2e/test_hangs.py) runs the same through the chart in both launch modes."""
 
-import os
 import shutil
-import signal
-import subprocess
 
 import pytest
 
-from tests.support.ports import free_port
-from tests.support.train_run import Ranks, cpu_ds_config, metrics, train_env, write_ds_config
+from tests.support.train_run import cpu_ds_config, metrics, run_per_worker, write_ds_config
 from train import checkpoint
 
 TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
-
-
-def run_workers(args: list[str], dirs: list, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Rank r on worker r (local rank 0 of a one-rank node, as DeepSpeed's launcher starts it on host r), saving
-    into dirs[r]."""
-    env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(dirs)),
-           "LOCAL_SIZE": "1", "CROSS_SIZE": str(len(dirs)), checkpoint.STORAGE_ENV: checkpoint.PER_WORKER}
-    ranks = [(["--local_rank=0", *args, "--checkpoint-dir", str(d)],
-              {**env, "RANK": str(r), "LOCAL_RANK": "0", "CROSS_RANK": str(r)}) for r, d in enumerate(dirs)]
-    process = Ranks(args, ranks)
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-    return subprocess.CompletedProcess(args, process.returncode, out, "")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +19,7 @@ def reference(tmp_path_factory):
     ds_config = write_ds_config(tmp, cpu_ds_config(stage=2, micro=2, accum=2,
                                                    checkpoint={"use_node_local_storage": True}))
     dirs = [tmp / "worker-0", tmp / "worker-1"]
-    result = run_workers(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4", *TINY], dirs)
+    result = run_per_worker(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4", *TINY], dirs)
     assert result.returncode == 0, result.stdout[-4000:]
     return ds_config, dirs
 
@@ -63,9 +43,9 @@ def test_a_resume_reads_each_workers_own_volume_and_continues_with_the_same_loss
     ds_config, reference_dirs = reference
     dirs = [tmp_path / "worker-0", tmp_path / "worker-1"]
     common = ["--ds-config", str(ds_config), "--checkpoint-every", "4", *TINY]
-    first = run_workers([*common, "--steps", "8"], dirs)
+    first = run_per_worker([*common, "--steps", "8"], dirs)
     assert first.returncode == 0, first.stdout[-4000:]
-    second = run_workers([*common, "--steps", "16"], dirs)
+    second = run_per_worker([*common, "--steps", "16"], dirs)
     assert second.returncode == 0, second.stdout[-4000:]
     assert f"resumed from {dirs[0] / 'step_00000008'} at step 8" in second.stdout
     resumed, expected = dict(metrics(dirs[0])["losses"]), dict(metrics(reference_dirs[0])["losses"])
@@ -83,13 +63,13 @@ def test_a_tag_one_worker_did_not_commit_is_skipped_and_a_lost_volume_stops_the_
     for source, target in zip(reference_dirs, dirs, strict=True):
         shutil.copytree(source, target)
     (dirs[1] / "step_00000016" / checkpoint.COMMIT_FILE).unlink()
-    result = run_workers(["--ds-config", str(ds_config), "--steps", "14", *TINY], dirs)
+    result = run_per_worker(["--ds-config", str(ds_config), "--steps", "14", *TINY], dirs)
     assert result.returncode == 0, result.stdout[-4000:]
     assert f"skipping incomplete checkpoint {dirs[0] / 'step_00000016'}" in result.stdout
     assert f"resumed from {dirs[0] / 'step_00000012'} at step 12" in result.stdout
     shutil.rmtree(dirs[1])
     dirs[1].mkdir()
-    lost = run_workers(["--ds-config", str(ds_config), "--steps", "20", *TINY], dirs)
+    lost = run_per_worker(["--ds-config", str(ds_config), "--steps", "20", *TINY], dirs)
     assert lost.returncode == 2, lost.stdout[-4000:]
     assert f"checkpoint {dirs[0] / 'step_00000016'} is complete on rank(s) [0] but not on rank(s) [1]: each " \
            "worker keeps its ranks' part on its own volume" in lost.stdout, lost.stdout[-3000:]

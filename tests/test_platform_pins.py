@@ -29,6 +29,8 @@ PLATFORM_VALUES = {
     ("chart", "serviceAccount"): {"create": True, "annotations": {"iam.gke.io/gcp-service-account": "t@p.iam"}},
     ("chart", "checkpoints", "resumeAcrossWorldSizes"): False,
     ("chart", "checkpoints", "resumeFrom"): "ml-dev/old",
+    ("chart", "checkpoints", "objectStore"): {"bucket": "ml-checkpoints", "endpoint": "https://s3.example.com",
+                                              "credentialsSecret": "ml-checkpoints-s3"},
     ("deploy", "projectResumeFrom"): {"other": "ml-dev/old"},
     ("deploy", "projectChoices"): {"priorityClassName": ["training"]},
     ("chart", "progress", "image"): "registry.example.com/platform/sidecar:2",

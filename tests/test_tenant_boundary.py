@@ -2,9 +2,11 @@
 platform schedules the workers (their queue, PriorityClass and placement), with a fixed small request and a short
 deadline, as an account of the release's own; hostile values beside legitimate ones."""
 
+import json
+
 import pytest
 
-from tests.support.chart import HELM, container, hooks, render_chart
+from tests.support.chart import HELM, HelmError, container, hooks, render_chart
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
 
@@ -68,3 +70,92 @@ def test_the_config_check_joins_no_gang_and_may_have_a_queue_of_its_own():
     own = hook_job(render_chart({**PLATFORM, "configCheck": {"kueueQueueName": "checks"}}))
     assert own["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "checks"
     assert "kueue.x-k8s.io/queue-name" not in hook_job(render_chart())["metadata"]["labels"]
+
+
+# ---------------------------------------------------------------- the object store's credentials
+
+STORE = {"progress": {"image": "registry.example.com/platform/sidecar:1"},
+         "checkpoints": {"objectStore": {"bucket": "ml-checkpoints", "endpoint": "https://s3.example.com",
+                                         "credentialsSecret": "ml-checkpoints-s3", "caConfigMap": "private-ca"}}}
+
+
+def pods(docs):
+    return [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Job")
+            and "helm.sh/hook" not in d["metadata"].get("annotations", {})]
+
+
+def names_the_secret(c) -> bool:
+    return any((e.get("valueFrom") or {}).get("secretKeyRef", {}).get("name") == "ml-checkpoints-s3"
+               for e in c.get("env", []))
+
+
+@pytest.mark.parametrize("mode", ["ssh", "nossh"])
+def test_the_object_stores_credentials_reach_only_the_platforms_containers(mode):
+    docs = render_chart({**STORE, "launchMode": mode})
+    scripts = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-scripts"))
+    assert {"objectstore.py", "tags.py"} <= set(scripts["data"]), sorted(scripts["data"])
+    for pod in pods(docs):
+        holders = [c for c in pod.get("initContainers", []) + pod["containers"] if names_the_secret(c)]
+        assert [c["name"] for c in holders] == ["restore", "progress"], [c["name"] for c in holders]
+        assert {c["image"] for c in holders} == {"registry.example.com/platform/sidecar:1"}
+        assert [c["name"] for c in pod["initContainers"]][:2] == ["restore", "progress"]  # restored before ranks
+        restore = pod["initContainers"][0]
+        mounts = {m["name"]: m for m in restore["volumeMounts"]}
+        assert mounts["object-store-ca"]["readOnly"] is True
+        assert {v["name"]: v for v in pod["volumes"]}["object-store-ca"]["configMap"]["name"] == "private-ca"
+        worker = "checkpoints" in {m["name"] for m in pod["containers"][0].get("volumeMounts", [])}
+        if worker:  # the worker's volume: written by the restore, read by the uploads
+            assert mounts["checkpoints"]["readOnly"] is False
+            upload = {m["name"]: m for m in pod["initContainers"][1]["volumeMounts"]}["checkpoints"]
+            assert upload["readOnly"] is True
+        else:  # the launcher of launchMode ssh keeps only the ledger, in its /tmp
+            assert "checkpoints" not in mounts and "tmp" in mounts
+
+
+SECRET_PATHS = {
+    "env valueFrom": ({"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "ml-checkpoints-s3",
+                                                                            "key": "AWS_SECRET_ACCESS_KEY"}}}]},
+                      "env[0].valueFrom.secretKeyRef"),
+    "extraEnv": ({"worker": {"extraEnv": [{"name": "X", "valueFrom": {"secretKeyRef": {
+        "name": "ml-checkpoints-s3", "key": "AWS_ACCESS_KEY_ID"}}}]}}, "worker.extraEnv[0].valueFrom.secretKeyRef"),
+    "extraEnvFrom": ({"worker": {"extraEnvFrom": [{"prefix": "APP_", "secretRef": {"name": "ml-checkpoints-s3"}}]}},
+                     "worker.extraEnvFrom[0].secretRef"),
+    "a secret volume": ({"worker": {"extraVolumes": [{"name": "s", "secret": {"secretName": "ml-checkpoints-s3"}}],
+                                    "extraVolumeMounts": [{"name": "s", "mountPath": "/s"}]}},
+                        "worker.extraVolumes[0].secret"),
+    "a projected secret": ({"worker": {"extraVolumes": [{"name": "s", "projected": {"sources": [
+        {"configMap": {"name": "c"}}, {"secret": {"name": "ml-checkpoints-s3"}}]}}],
+        "extraVolumeMounts": [{"name": "s", "mountPath": "/s"}]}}, "worker.extraVolumes[0].projected.sources[1]"),
+    "the SSH keys": ({"ssh": {"existingSecret": "ml-checkpoints-s3"}}, "ssh.existingSecret"),
+}
+
+
+@pytest.mark.parametrize("case", SECRET_PATHS, ids=SECRET_PATHS.keys())
+def test_nothing_of_the_tenants_may_name_the_object_stores_secret(case):
+    values, where = SECRET_PATHS[case]
+    with pytest.raises(HelmError) as err:
+        render_chart({**STORE, **values})
+    assert f"{where}" in err.value.stderr and "names the object store's Secret \"ml-checkpoints-s3\"" in \
+        err.value.stderr, err.value.stderr
+    # The same values naming a Secret of the tenant's own are the tenant's to use.
+    render_chart({**STORE, **json.loads(json.dumps(values).replace("ml-checkpoints-s3", "team-secret"))})
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"progress": {"image": ""}}, "checkpoints.objectStore needs progress.enabled and progress.image"),
+    ({"progress": {"enabled": False, "image": "x:1"}, "launcher": {"scaleDownWorkers": False}},
+     "checkpoints.objectStore needs progress.enabled and progress.image"),
+    ({"checkpoints": {"objectStore": {"bucket": "b-1", "credentialsSecret": "s"}}}, "checkpoints.objectStore.endpoint"),
+    ({"checkpoints": {"objectStore": {"bucket": "b-1", "endpoint": "https://s3"}}},
+     "checkpoints.objectStore.credentialsSecret"),
+    ({"checkpoints": {"objectStore": {"bucket": "b-1", "endpoint": "s3.example.com", "credentialsSecret": "s"}}},
+     "/checkpoints/objectStore/endpoint"),
+])
+def test_an_object_store_needs_the_platforms_image_an_endpoint_and_a_secret(values, message):
+    merged = {**STORE, **values, "checkpoints": {"objectStore": {
+        **STORE["checkpoints"]["objectStore"], **values.get("checkpoints", {}).get("objectStore", {})}}}
+    if "checkpoints" in values:
+        merged["checkpoints"] = values["checkpoints"]
+    with pytest.raises(HelmError) as err:
+        render_chart(merged)
+    assert message in err.value.stderr, err.value.stderr

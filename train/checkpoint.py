@@ -17,7 +17,6 @@ every worker committed its part: a crash between two workers' commits leaves a t
 import argparse
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -31,9 +30,8 @@ from deepspeed.checkpoint.constants import (
 )
 
 from train import rankstate
+from train.tags import COMMIT_FILE, TAG_PATTERN, files_of, is_complete, tags_newest_first  # noqa: F401
 
-COMMIT_FILE = "commit.json"
-TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
 UNIVERSAL_DIR = "universal"  # <ckpt>/universal/<tag>: a tag converted for another layout, committed like a tag
 # What DeepSpeed's converter (ds_to_universal) needs in the client state of a plain data-parallel model.
 UNIVERSAL_INFO = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
@@ -109,11 +107,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _files(tag_dir: Path) -> dict[str, int]:
-    return {str(p.relative_to(tag_dir)): p.stat().st_size
-            for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != COMMIT_FILE}
-
-
 def check_writable(ckpt_dir: Path) -> None:
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -123,21 +116,6 @@ def check_writable(ckpt_dir: Path) -> None:
     except OSError as err:
         raise CheckpointError(f"checkpoint dir {ckpt_dir}: not writable ({err.strerror}); "
                               "mount a writable volume or pass another --checkpoint-dir") from None
-
-
-def is_complete(tag_dir: Path) -> bool:
-    try:
-        manifest = json.loads((tag_dir / COMMIT_FILE).read_text())
-        return all((tag_dir / name).stat().st_size == size for name, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def tags_newest_first(ckpt_dir: Path) -> list[Path]:
-    if not ckpt_dir.is_dir():
-        return []
-    tags = [p for p in ckpt_dir.iterdir() if p.is_dir() and TAG_PATTERN.match(p.name)]
-    return sorted(tags, key=lambda p: int(TAG_PATTERN.match(p.name).group(1)), reverse=True)
 
 
 def release() -> str:
@@ -298,7 +276,7 @@ def _convert(source: Path, target: Path) -> None:
                 os.fsync(f.fileno())
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
-    write_atomic(target / COMMIT_FILE, json.dumps({"source": source.name, "files": _files(target)}, indent=1))
+    write_atomic(target / COMMIT_FILE, json.dumps({"source": source.name, "files": files_of(target)}, indent=1))
 
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layout: dict, ds_config: dict) -> str:
@@ -320,7 +298,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layou
     dist.barrier()
     if writer:
         manifest = {"step": step, "release": release(), "save_s": round(time.perf_counter() - started, 3), **layout,
-                    "storage": storage(), "ds_config": ds_config, "files": _files(tag_dir)}
+                    "storage": storage(), "ds_config": ds_config, "files": files_of(tag_dir)}
         write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
         write_atomic(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep)

@@ -95,6 +95,7 @@ PLATFORM_ONLY = {
     ("chart", "serviceAccount"): "the pods' ServiceAccount (its token and cloud identity)",
     ("chart", "progress", "image"): "the progress sidecar's image (the container that holds the release's token)",
     ("chart", "checkpoints", "resumeAcrossWorldSizes"): "whether a job may resume on another world size",
+    ("chart", "checkpoints", "objectStore"): "the bucket checkpoints are uploaded to, and its credentials",
     ("chart", "checkpoints", "resumeFrom"): "starting from another release's checkpoints (per project: "
                                             "deploy.projectResumeFrom)",
     ("deploy", "projectResumeFrom"): "the releases whose checkpoints a project may start from",

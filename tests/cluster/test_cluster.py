@@ -539,3 +539,56 @@ def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_templa
     assert "launcher: retry" not in logs, logs[:logs.index("launcher: retry")][-8000:]  # the failed first run
     stop_endless_job(namespace)
     print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
+
+
+def test_every_worker_pod_and_volume_lost_resumes_from_the_bucket_with_the_failure_budget_it_had(namespace):
+    """launchMode nossh on the chart's default storage (an emptyDir per worker pod) with an S3 bucket (the real RADOS
+    Gateway on this host, which the pods reach at its address): a killed rank spends one failure and the retry in
+    the pods resumes from their own volumes; then every worker pod is deleted, and with it every volume: the new
+    pods' restore containers fetch their parts of the newest committed checkpoint and the job's ledger from the
+    bucket before the ranks start, which resume there with one failure used and the deletion a preemption."""
+    from tests.support import s3
+
+    if not os.environ.get("LOCAL_K8S") or s3.unavailable():
+        pytest.skip(f"needs the local cluster and the local S3 gateway: {s3.unavailable() or 'not local'}")
+    gateway = s3.up()
+    bucket = s3.new_bucket(gateway)
+    kubectl("create", "secret", "generic", "ckpt-s3", *(f"--from-literal={key}={gateway[key]}" for key in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")), namespace=namespace)
+    install(namespace, steps=100000, launchMode="nossh", job={"runRetries": 2},
+            checkpoints={"objectStore": {"bucket": bucket, "endpoint": gateway["LOCAL_S3_ENDPOINT_FOR_PODS"],
+                                         "credentialsSecret": "ckpt-s3"}})
+    store = s3.client(gateway)
+    prefix = f"{namespace}/{RELEASE}/checkpoints/"
+
+    def committed() -> int:
+        steps = [int(m[1]) for o in store.list_objects(bucket, prefix=prefix, recursive=True)
+                 if (m := re.search(r"step_(\d+)/committed\.json$", o.object_name))]
+        return max(steps, default=0)
+
+    def worker_logs() -> str:
+        return kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
+                       "--tail=-1", "-c", "worker", namespace=namespace, check=False)
+
+    wait_for(lambda: committed() >= 20, 300, "a checkpoint committed in the bucket", lambda: diagnose(namespace))
+    kubectl("exec", nossh_pod(namespace, 1), "-c", "worker", "--", "pkill", "-KILL", "-f", "--", "--local_rank=",
+            namespace=namespace)
+    wait_for(lambda: "attempt 2 (1 of 2 failures used, 0 preemptions)" in worker_logs(), 300, "the retry",
+             lambda: worker_logs()[-3000:])
+    before = committed()
+    wait_for(lambda: committed() > before, 300, "a checkpoint of the retry in the bucket", lambda: diagnose(namespace))
+    old = {nossh_pod(namespace, 0), nossh_pod(namespace, 1)}
+    kubectl("delete", "pods", "-l", f"job-name={NOSSH_WORKERS}", "--wait=true", namespace=namespace, timeout=180)
+    wait_for(lambda: all(nossh_pod(namespace, i) not in ("", *old) for i in (0, 1)), 300, "the new worker pods",
+             lambda: diagnose(namespace))
+    restored = {i: kubectl("logs", nossh_pod(namespace, i), "-c", "restore", namespace=namespace) for i in (0, 1)}
+    step = int(re.search(r"restored step_(\d+) from the bucket", restored[0])[1])
+    assert f"restored step_{step:08d} from the bucket into /checkpoints/step_{step:08d} (node 1's part" in restored[1]
+    assert "restored the job's attempts records" in restored[0], restored[0]
+    logs = wait_for(lambda: (log := worker_logs()) and f"resumed from /checkpoints/step_{step:08d} at step {step}"
+                    in log and log, 300, "the new pods to resume from the bucket's checkpoint",
+                    lambda: worker_logs()[-4000:])
+    # The failure budget the job had: one failure used, and the deletion of its pods a preemption.
+    assert "attempt 3 (1 of 2 failures used, 1 preemption)" in logs, logs[-4000:]
+    print(f"\nrestore containers: {restored[0].strip()} | {restored[1].strip()}")
+    stop_endless_job(namespace)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from tests.support.ports import free_port
+from train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 # The ranks' env starts from this process's env as the session began. Tests call the glue and the config check in
@@ -242,3 +243,20 @@ def run_single(args: list[str], timeout: float = 120, **env_extra: str) -> subpr
 
 def metrics(ckpt_dir: Path) -> dict:
     return json.loads((ckpt_dir / "metrics.json").read_text())
+
+
+def run_per_worker(args: list[str], dirs: list, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m train ARGS` as one rank on each of len(dirs) workers with per-worker checkpoint volumes: rank r
+    is local rank 0 of node r, as DeepSpeed's launcher starts it on host r, and saves into dirs[r], which no other
+    rank sees (DS_CHECKPOINT_STORAGE per-worker)."""
+    env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(dirs)),
+           "LOCAL_SIZE": "1", "CROSS_SIZE": str(len(dirs)), checkpoint.STORAGE_ENV: checkpoint.PER_WORKER}
+    ranks = [(["--local_rank=0", *args, "--checkpoint-dir", str(d)],
+              {**env, "RANK": str(r), "LOCAL_RANK": "0", "CROSS_RANK": str(r)}) for r, d in enumerate(dirs)]
+    process = Ranks(args, ranks)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+    return subprocess.CompletedProcess(args, process.returncode, out, "")

@@ -305,16 +305,32 @@ METRICS = (
     ("rank_step", "rank", "the last step this rank finished", "every worker", "step"),
     ("rank_step_seconds", "rank", "this rank's recent seconds per step", "every worker", "step_s"),
     ("rank_heartbeat_age_seconds", "rank", "seconds since this rank's last report", "every worker", "age"),
+    ("checkpoint_uploaded_step", "", "the newest checkpoint step this pod put in the bucket", "with objectStore",
+     "uploaded_step"),
+    ("checkpoint_committed_step", "", "the newest checkpoint step committed in the bucket (node 0's)",
+     "with objectStore", "committed_step"),
+    ("checkpoint_upload_lag_steps", "", "steps between this pod's newest complete checkpoint and the bucket's",
+     "with objectStore", "lag_steps"),
+    ("checkpoint_upload_seconds", "", "seconds the last upload of this pod's part took", "with objectStore",
+     "seconds"),
+    ("checkpoint_upload_bytes_per_second", "", "the last upload's rate", "with objectStore", "bytes_per_s"),
+    ("checkpoint_upload_failures", "", "uploads that failed and are retried (the store away, a full quota)",
+     "with objectStore", "failures"),
 )
 
 
-def samples(pod: Pod, progress: bool, job: bool):
-    """(name, label, doc, [(label value, value)]) of every metric this pod serves now."""
+def samples(pod: Pod, progress: bool, job: bool, uploads: dict | None = None):
+    """(name, label, doc, [(label value, value)]) of every metric this pod serves now; `uploads`: the object-store
+    uploader's status (objectstore.Uploader.status), when the release has one."""
     record = (pod.record(podstate.PROGRESS) or {}) if progress else {}
     verdict = (pod.record(podstate.VERDICT) or {}) if job else {}
     ranks = pod.ranks()
     for name, label, doc, where, key in METRICS:
         if where == "node rank 0" and not progress or where == "the ledger's owner" and not job:
+            continue
+        if where == "with objectStore":
+            if uploads is not None and (value := podstate.number(uploads.get(key))) is not None:
+                yield name, label, doc, [("", value)]
             continue
         if where == "every worker":
             values = [(r["rank"], r[key]) for r in ranks if r[key] is not None]
@@ -333,7 +349,7 @@ def samples(pod: Pod, progress: bool, job: bool):
         yield name, label, doc, values
 
 
-def serve_metrics(pod: Pod, port: int, progress: bool, job: bool) -> bool:
+def serve_metrics(pod: Pod, port: int, progress: bool, job: bool, uploads: dict | None = None) -> bool:
     try:
         from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
         from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
@@ -343,7 +359,7 @@ def serve_metrics(pod: Pod, port: int, progress: bool, job: bool) -> bool:
 
     class Collector:
         def collect(self):
-            for name, label, doc, values in samples(pod, progress, job):
+            for name, label, doc, values in samples(pod, progress, job, uploads):
                 if not values and not label:
                     continue
                 family = GaugeMetricFamily(f"{METRIC}_{name}", doc, labels=[label] if label else [])
@@ -378,6 +394,39 @@ def write_job_id(pod: Pod, api: Api | None, configmap: str | None) -> None:
         log(f"could not write {podstate.JOB_ID_FILE} in {pod.dir.path}")
 
 
+def start_uploads():
+    """With checkpoints.objectStore, this pod's uploads (files/objectstore.py) in a thread of their own: a slow or
+    absent store never holds the progress loop. The uploader (its status is what the metrics read); None without
+    one."""
+    if not os.environ.get("DS_OBJECT_STORE_BUCKET"):
+        return None
+    import threading  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # python3 -I puts no script directory on the path
+    import objectstore  # noqa: PLC0415 - the chart's file beside this one
+
+    try:
+        uploader = objectstore.Uploader(objectstore.Settings())
+    except Exception as err:  # noqa: BLE001 - no client in the image: say so, publish progress anyway
+        log(f"no checkpoint uploads: {type(err).__name__}: {err}")
+        return None
+    uploader.stop = threading.Event()
+    uploader.thread = threading.Thread(target=uploader.run, args=(uploader.stop,), daemon=True, name="uploads")
+    uploader.thread.start()
+    log(f"uploading checkpoints to {uploader.settings.bucket} under {uploader.settings.prefix}")
+    return uploader
+
+
+def last_uploads(uploader) -> None:
+    """On SIGTERM (a native sidecar gets it after its pod's main container has ended): one more round, so that
+    what the pod wrote last (a preemption marked in the ledger, a checkpoint saved on SIGTERM) reaches the bucket
+    while the grace period lasts."""
+    uploader.stop.set()
+    uploader.thread.join(timeout=30)
+    uploader.next_try = 0.0
+    uploader.step()
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configmap", help="the progress ConfigMap to patch")
@@ -396,8 +445,9 @@ def main(argv: list[str]) -> int:
               args.ranks_per_pod)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    uploader = start_uploads()
     if args.metrics_port:
-        serve_metrics(pod, args.metrics_port, progress, job)
+        serve_metrics(pod, args.metrics_port, progress, job, uploader and uploader.status)
     api = scale_down = None
     wanted = [what for what in (args.configmap and (progress or job) and f"publishing to ConfigMap {args.configmap}",
                                 args.scale_down and f"scaling {args.scale_down} down") if what]
@@ -418,6 +468,8 @@ def main(argv: list[str]) -> int:
         done = publisher.step(final)
         if scale_down:
             scale_down.run()
+        if final and uploader and not uploader.stop.is_set():
+            last_uploads(uploader)
         if final:
             final_tries -= 1
             if (done and not (scale_down and scale_down.pending())) or final_tries <= 0:

@@ -258,6 +258,9 @@ items), so that a script finds its neighbours (generated/podstate.py, the protoc
 chart. */}}
 {{- define "deepspeed-training.podScripts" -}}
 {{- $paths := list "hosts.sh" "kill-ranks.sh" "run-child.sh" "watchdog.py" "attempts.py" "sidecar.py" "generated/podstate.py" "generated/podstate.sh" }}
+{{- if .Values.checkpoints.objectStore.bucket }}
+{{- $paths = concat $paths (list "objectstore.py" "generated/tags.py") }}
+{{- end }}
 {{- if eq .Values.launchMode "ssh" }}
 {{- $paths = concat $paths (list "ssh-setup.sh" "worker.sh" "sshd-listening.sh" "launcher.sh" "wait-for-workers.sh") }}
 {{- else }}

@@ -19,7 +19,7 @@ ServiceAccount (serviceAccount.create), since the chart binds its Roles to no ot
 {{- end }}
 
 {{/* The most samples one pod's sidecar serves (files/sidecar.py): three per rank of the pod, and 40 for rank 0's
-progress, the goodput buckets and the job's record (29 today). */}}
+progress, the goodput buckets, the job's record and the uploads (35 today). */}}
 {{- define "deepspeed-training.metricsSampleLimit" -}}
 {{- add 40 (mul 3 (int .Values.worker.gpusPerWorker)) }}
 {{- end }}
@@ -34,6 +34,9 @@ progress, the goodput buckets and the job's record (29 today). */}}
 {{- with $root.Values.progress }}
 {{- if .enabled }}
 initContainers:
+  {{- if $root.Values.checkpoints.objectStore.bucket }}
+  {{- include "deepspeed-training.objectStoreRestore" $ | nindent 2 }}
+  {{- end }}
   - name: progress
     image: {{ .image | default (include "deepspeed-training.image" $root) | quote }}
     imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
@@ -83,7 +86,11 @@ initContainers:
       {{- end }}
       - name: PYTHONUNBUFFERED
         value: "1"
-    {{- with .resources }}
+      {{- if $root.Values.checkpoints.objectStore.bucket }}
+      {{- include "deepspeed-training.objectStoreEnv" $ | nindent 6 }}
+      {{- end }}
+    {{- /* With an object store it also uploads the checkpoints: its resources are the object store's. */}}
+    {{- with ternary $root.Values.checkpoints.objectStore.resources .resources (not (empty $root.Values.checkpoints.objectStore.bucket)) }}
     resources:
       {{- toYaml . | nindent 6 }}
     {{- end }}
@@ -104,7 +111,130 @@ initContainers:
         mountPath: /var/run/secrets/kubernetes.io/serviceaccount
         readOnly: true
       {{- end }}
+      {{- if $root.Values.checkpoints.objectStore.bucket }}
+      {{- include "deepspeed-training.objectStoreMounts" (dict "root" $root "component" $.component "readOnly" true) | nindent 6 }}
+      {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The object store (checkpoints.objectStore; files/objectstore.py), in the platform's image beside the progress
+sidecar: a restore init container before it, and the sidecar's uploads. Only these containers get the bucket's
+credentials (validateObjectStore refuses any reference of the tenant's to the Secret). The worker pods keep the
+checkpoints (their volume: read-only for the uploads, writable for the restore); the launcher pod of launchMode ssh
+keeps the job's ledger in its /tmp. Called with (dict "root" $ "component" "worker"|"launcher").
+*/}}
+{{- define "deepspeed-training.objectStoreRestore" -}}
+{{- $root := .root }}
+- name: restore
+  image: {{ $root.Values.progress.image | quote }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
+  # Before the ranks: the store answers with these credentials (else one line naming the value, and the pod
+  # fails), then the newest committed checkpoint where this pod's volume holds none as new, and the job's records.
+  command: ["python3", "-I", "{{ include "deepspeed-training.scriptsDir" $root }}/objectstore.py", "restore"]
+  env:
+    {{- if eq .component "worker" }}
+    - name: DS_NODE_RANK
+      valueFrom:
+        fieldRef:
+          fieldPath: {{ ternary "metadata.labels['batch.kubernetes.io/job-completion-index']" "metadata.labels['apps.kubernetes.io/pod-index']" (eq $root.Values.launchMode "nossh") | quote }}
+    {{- end }}
+    - name: PYTHONUNBUFFERED
+      value: "1"
+    {{- include "deepspeed-training.objectStoreEnv" . | nindent 4 }}
+  {{- with $root.Values.checkpoints.objectStore.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $root.Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: scripts
+      mountPath: {{ include "deepspeed-training.scriptsDir" $root | quote }}
+      readOnly: true
+    - name: tmp
+      mountPath: /tmp
+    {{- include "deepspeed-training.objectStoreMounts" (dict "root" $root "component" .component "readOnly" false) | nindent 4 }}
+{{- end }}
+
+{{- define "deepspeed-training.objectStoreEnv" -}}
+{{- $root := .root }}
+{{- with $root.Values.checkpoints.objectStore }}
+- name: DS_OBJECT_STORE_BUCKET
+  value: {{ .bucket | quote }}
+- name: DS_OBJECT_STORE_ENDPOINT
+  value: {{ .endpoint | quote }}
+- name: DS_OBJECT_STORE_REGION
+  value: {{ .region | quote }}
+- name: DS_OBJECT_STORE_PATH_STYLE
+  value: {{ .pathStyle | toString | quote }}
+- name: DS_OBJECT_STORE_KEEP
+  value: {{ .keep | int | quote }}
+- name: DS_OBJECT_STORE_CREDENTIALS_SECRET
+  value: {{ .credentialsSecret | quote }}
+{{- if .caConfigMap }}
+- name: DS_OBJECT_STORE_CA_FILE
+  value: {{ include "deepspeed-training.objectStoreCaDir" $root }}/ca.crt
+{{- end }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ .credentialsSecret | quote }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .credentialsSecret | quote }}
+      key: AWS_SECRET_ACCESS_KEY
+{{- end }}
+- name: DS_OBJECT_STORE_ROLE
+  value: {{ .component | quote }}
+- name: DS_RELEASE
+  value: {{ include "deepspeed-training.checkpointSubPath" $root | quote }}
+- name: DS_CHECKPOINT_DIR
+  value: {{ $root.Values.checkpoints.mountPath | quote }}
+- name: DS_CHECKPOINT_STORAGE
+  value: {{ include "deepspeed-training.checkpointStorage" $root | quote }}
+- name: DS_WORKERS
+  value: {{ $root.Values.worker.replicas | int | quote }}
+- name: DS_ATTEMPTS_DIR
+  value: {{ include "deepspeed-training.attemptsDir" $root | quote }}
+- name: DS_LEDGER_ON_WORKER0
+  value: {{ eq $root.Values.launchMode "nossh" | toString | quote }}
+{{- end }}
+
+{{- define "deepspeed-training.objectStoreCaDir" -}}/etc/deepspeed/object-store-ca{{- end }}
+
+{{/* The checkpoint volume where the pod has one (workers; the launcher with launcherMountsCheckpoints), and the
+store's CA. Called with (dict "root" $ "component" ... "readOnly" bool). */}}
+{{- define "deepspeed-training.objectStoreMounts" -}}
+{{- $root := .root }}
+{{- if or (eq .component "worker") (include "deepspeed-training.launcherMountsCheckpoints" $root) }}
+- name: checkpoints
+  mountPath: {{ $root.Values.checkpoints.mountPath | quote }}
+  {{- if $root.Values.checkpoints.existingClaim }}
+  subPath: {{ include "deepspeed-training.checkpointSubPath" $root | quote }}
+  {{- end }}
+  readOnly: {{ .readOnly }}
+{{- end }}
+{{- if $root.Values.checkpoints.objectStore.caConfigMap }}
+- name: object-store-ca
+  mountPath: {{ include "deepspeed-training.objectStoreCaDir" $root | quote }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "deepspeed-training.objectStoreVolumes" -}}
+{{- with .Values.checkpoints.objectStore.caConfigMap }}
+- name: object-store-ca
+  configMap:
+    name: {{ . | quote }}
+    items:
+      - key: ca.crt
+        path: ca.crt
 {{- end }}
 {{- end }}
 

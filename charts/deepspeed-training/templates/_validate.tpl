@@ -11,6 +11,7 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- include "deepspeed-training.validateProgram" . }}
 {{- include "deepspeed-training.validateDsConfig" . }}
 {{- include "deepspeed-training.validateCheckpointStorage" . }}
+{{- include "deepspeed-training.validateObjectStore" . }}
 {{- include "deepspeed-training.validateLaunchMode" . }}
 {{- include "deepspeed-training.validateResources" . }}
 {{- with .Values.scheduling }}
@@ -376,6 +377,54 @@ its ds_config; train/checkpoint.py check_storage checks the parallel layout. */}
 {{- end }}
 {{- if and .Values.checkpoints.existingClaim (gt (int .Values.worker.replicas) 1) $local }}
 {{- fail (printf "deepspeed.config.checkpoint.use_node_local_storage: %v with a shared claim (checkpoints.existingClaim): every worker would write the same model-state files into one directory; remove the key" $local) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The object store (checkpoints.objectStore): its credentials reach only the platform's containers, so it needs
+the progress sidecar in the platform's image, and nothing of the tenant's may name its Secret. */}}
+{{- define "deepspeed-training.validateObjectStore" -}}
+{{- with .Values.checkpoints.objectStore }}
+{{- if .bucket }}
+{{- if not .endpoint }}
+{{- fail (printf "checkpoints.objectStore.endpoint: empty, but bucket %q is set: give the store's URL (https://host[:port])" .bucket) }}
+{{- end }}
+{{- if not .credentialsSecret }}
+{{- fail "checkpoints.objectStore.credentialsSecret: empty: name the Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" }}
+{{- end }}
+{{- if or (not $.Values.progress.enabled) (not $.Values.progress.image) }}
+{{- fail "checkpoints.objectStore needs progress.enabled and progress.image: the uploads and restores run in the platform's sidecar image, the only one that gets the bucket's credentials" }}
+{{- end }}
+{{- $secret := .credentialsSecret }}
+{{- $named := list }}
+{{- range $key, $entries := dict "env" $.Values.env "worker.extraEnv" $.Values.worker.extraEnv }}
+{{- range $i, $e := $entries }}
+{{- if and (kindIs "map" $e.valueFrom) (kindIs "map" $e.valueFrom.secretKeyRef) (eq (toString $e.valueFrom.secretKeyRef.name) $secret) }}
+{{- $named = append $named (printf "%s[%d].valueFrom.secretKeyRef" $key $i) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $i, $e := $.Values.worker.extraEnvFrom }}
+{{- if and (kindIs "map" $e.secretRef) (eq (toString $e.secretRef.name) $secret) }}
+{{- $named = append $named (printf "worker.extraEnvFrom[%d].secretRef" $i) }}
+{{- end }}
+{{- end }}
+{{- range $i, $v := $.Values.worker.extraVolumes }}
+{{- if and (kindIs "map" $v.secret) (eq (toString $v.secret.secretName) $secret) }}
+{{- $named = append $named (printf "worker.extraVolumes[%d].secret" $i) }}
+{{- end }}
+{{- range $j, $source := ((($v.projected | default dict).sources) | default list) }}
+{{- if and (kindIs "map" $source.secret) (eq (toString $source.secret.name) $secret) }}
+{{- $named = append $named (printf "worker.extraVolumes[%d].projected.sources[%d].secret" $i $j) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if eq (toString $.Values.ssh.existingSecret) $secret }}
+{{- $named = append $named "ssh.existingSecret" }}
+{{- end }}
+{{- with $named }}
+{{- fail (printf "%s: names the object store's Secret %q (checkpoints.objectStore.credentialsSecret), whose keys only the platform's containers may hold" (first .) $secret) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -153,6 +153,7 @@ spec:
     {{- end }}
     {{- with include "deepspeed-training.checkpointVolumes" . }}{{ . | nindent 4 }}{{- end }}
     {{- with include "deepspeed-training.progressTokenVolume" . }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "deepspeed-training.objectStoreVolumes" . }}{{ . | nindent 4 }}{{- end }}
     {{- with .Values.worker.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}

@@ -1,0 +1,468 @@
+"""The release's checkpoints in an S3-compatible bucket (chart value checkpoints.objectStore): uploaded in the
+background from every worker's volume, restored before the ranks start where no volume holds them. It runs in the
+platform's image (the progress sidecar's: python3 with the `minio` client), never the tenant's, and only its
+containers hold the bucket's credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, from the platform's Secret).
+
+In the bucket, under the release's prefix `<namespace>/<release>/` (DS_RELEASE, fixed by the chart):
+
+    checkpoints/<tag>/parts/<node>/<path>   the files a worker's volume holds of the tag (its part)
+    checkpoints/<tag>/parts/<node>.json     that part's manifest, put after its files: {files: {path: size}, ...}
+    checkpoints/<tag>/committed.json        put last, by node 0's uploader, once every node's manifest is there
+    job/attempts/..., job/goodput/...       the job's records (the failure budget's ledger, goodput): a mirror of
+                                            DS_ATTEMPTS_DIR and of <checkpoints>/_job/goodput
+
+A tag without committed.json is never restored. Which local checkpoints are complete is train/tags.py's rule (the
+chart's byte copy in generated/tags.py): the train package's committed tags, a Trainer's checkpoint-N, DeepSpeed's
+`latest`. On per-worker volumes (DS_CHECKPOINT_STORAGE per-worker) every worker uploads and restores its own part;
+on a shared claim node 0 alone does, with the whole tag as one part.
+
+Files are read without following a link and only if regular (a planted symlink or FIFO is neither followed nor
+uploaded), streamed in parts (multipart, parallel). One upload at a time, the newest complete tag: a newer one
+supersedes any older one not yet started. Node 0 keeps the newest `keep` committed tags in the bucket and deletes
+older tags, committed or not, never one newer than the newest committed (it may still be uploading).
+
+Usage (python3 -I; the environment below):
+  objectstore.py check     the bucket answers with these credentials: exit 0, else one line naming the value, exit 1
+  objectstore.py restore   before the ranks (an init container): check, then download the newest committed tag
+                           where this volume holds none as new, and the job's records where the pod keeps them
+The progress sidecar runs Uploader in a thread (sidecar.py).
+
+Environment: DS_OBJECT_STORE_{ENDPOINT,BUCKET,REGION,PATH_STYLE,CA_FILE,KEEP,CREDENTIALS_SECRET}, AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, DS_RELEASE, DS_CHECKPOINT_DIR, DS_CHECKPOINT_STORAGE, DS_NODE_RANK, DS_WORKERS,
+DS_OBJECT_STORE_ROLE (worker, or launcher: the ledger only), DS_ATTEMPTS_DIR and DS_LEDGER_ON_WORKER0 (nossh: node
+0's worker keeps the ledger).
+"""
+
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "generated"))  # the chart's copies of train/'s owners
+import podstate  # noqa: E402
+import tags  # noqa: E402
+
+PART_SIZE = 16 << 20  # multipart part size (S3's minimum is 5 MiB)
+PARALLEL = 4  # parts in flight per file
+POLL_S = 2.0
+BACKOFF_MAX_S = 60.0
+CHUNK = 1 << 20
+RESTORING = ".restoring-"  # a download in progress: renamed into place when whole
+_SAFE_PATH = re.compile(r"^(?!/)(?!.*(^|/)\.\.?(/|$))[^\x00-\x1f\\]+$")
+
+
+def log(message: str) -> None:
+    print(f"objectstore: {message}", file=sys.stderr, flush=True)
+
+
+class StoreError(Exception):
+    """The bucket cannot be used as configured: one line naming the chart value."""
+
+
+class Settings:
+    def __init__(self, env=os.environ):
+        self.endpoint = env.get("DS_OBJECT_STORE_ENDPOINT", "")
+        self.bucket = env.get("DS_OBJECT_STORE_BUCKET", "")
+        self.region = env.get("DS_OBJECT_STORE_REGION", "") or "us-east-1"
+        self.path_style = env.get("DS_OBJECT_STORE_PATH_STYLE", "true") == "true"
+        self.ca_file = env.get("DS_OBJECT_STORE_CA_FILE", "")
+        self.keep = max(1, int(env.get("DS_OBJECT_STORE_KEEP", "3") or 3))
+        self.secret = env.get("DS_OBJECT_STORE_CREDENTIALS_SECRET", "")
+        self.prefix = env.get("DS_RELEASE", "").strip("/") + "/"
+        self.checkpoint_dir = Path(env.get("DS_CHECKPOINT_DIR", "/checkpoints"))
+        self.per_worker = env.get("DS_CHECKPOINT_STORAGE", "shared") == "per-worker"
+        self.node = int(env.get("DS_NODE_RANK", "0") or 0)
+        self.nodes = int(env.get("DS_WORKERS", "1") or 1) if self.per_worker else 1
+        # A worker pod's container keeps checkpoints; the launcher's (ssh) only the ledger, which it owns.
+        self.worker = env.get("DS_OBJECT_STORE_ROLE", "worker") == "worker"
+        owns_ledger = env.get("DS_OBJECT_STORE_ROLE") == "launcher" or (self.worker and self.node == 0 and
+                                                                         env.get("DS_LEDGER_ON_WORKER0") == "true")
+        self.attempts_dir = Path(env["DS_ATTEMPTS_DIR"]) if owns_ledger and env.get("DS_ATTEMPTS_DIR") else None
+        self.access_key = env.get("AWS_ACCESS_KEY_ID", "")
+        self.secret_key = env.get("AWS_SECRET_ACCESS_KEY", "")
+
+    def uploads_checkpoints(self) -> bool:
+        """Every worker on per-worker volumes; node 0 alone on a shared claim."""
+        return self.worker and (self.per_worker or self.node == 0)
+
+    def commits(self) -> bool:
+        """Node 0's worker commits tags in the bucket and keeps them pruned; it also keeps rank 0's goodput."""
+        return self.worker and self.node == 0
+
+
+def client(settings: Settings):
+    import urllib3  # noqa: PLC0415 - the platform's image has minio and its urllib3
+    from minio import Minio  # noqa: PLC0415
+
+    url = urllib.parse.urlsplit(settings.endpoint if "://" in settings.endpoint else f"https://{settings.endpoint}")
+    http = urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=5, read=60), cert_reqs="CERT_REQUIRED",
+        ca_certs=settings.ca_file or None, retries=urllib3.Retry(total=3, backoff_factor=0.5,
+                                                                  status_forcelist=(500, 502, 503, 504)))
+    store = Minio(url.netloc, access_key=settings.access_key, secret_key=settings.secret_key,
+                  secure=url.scheme == "https", region=settings.region, http_client=http)
+    if settings.path_style:
+        store.disable_virtual_style_endpoint()
+    return store
+
+
+def check(store, settings: Settings) -> None:
+    """The bucket answers a listing of the release's prefix with these credentials, or StoreError naming why."""
+    from minio.error import S3Error  # noqa: PLC0415
+
+    where = "checkpoints.objectStore"
+    try:
+        next(iter(store.list_objects(settings.bucket, prefix=settings.prefix)), None)
+    except S3Error as err:
+        if err.code == "NoSuchBucket":
+            raise StoreError(f"{where}.bucket {settings.bucket!r}: no such bucket at {settings.endpoint}") from None
+        if err.code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise StoreError(f"{where}.credentialsSecret {settings.secret!r}: the bucket {settings.bucket!r} refuses "
+                             f"these keys ({err.code}) for {settings.prefix}") from None
+        raise StoreError(f"{where}: {settings.endpoint} answered {err.code}: {err.message}") from None
+    except Exception as err:  # noqa: BLE001 - an unreachable endpoint, a TLS failure: one line, not a traceback
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise StoreError(f"{where}.endpoint {settings.endpoint!r}: unreachable ({type(err).__name__}: {reason})"
+                         ) from None
+
+
+def open_under(root_fd: int, relpath: str) -> int | None:
+    """A regular file below root_fd, opened without following any link on the way (O_NOFOLLOW on every
+    component) and without blocking (a FIFO): its descriptor, or None."""
+    parts = relpath.split("/")
+    fd = os.dup(root_fd)
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+        os.close(file_fd)
+        return None
+    os.set_blocking(file_fd, True)
+    return file_fd
+
+
+class Uploader:
+    """One pod's uploads; step() does one round (the sidecar calls it every POLL_S), status is what it reports."""
+
+    def __init__(self, settings: Settings, store=None):
+        self.settings = settings
+        self.store = store or client(settings)
+        self.uploaded: str | None = None  # the newest tag this pod's part was put for
+        self.records: dict[str, tuple[int, int]] = {}  # job record key -> (size, mtime_ns) last put
+        self.failures = 0
+        self.next_try = 0.0
+        self.status: dict = {"uploaded_step": None, "local_step": None, "committed_step": None, "lag_steps": None,
+                             "bytes": 0, "seconds": None, "bytes_per_s": None, "failures": 0, "error": ""}
+
+    def key(self, *parts: str) -> str:
+        return self.settings.prefix + "/".join(parts)
+
+    def step(self) -> None:
+        if time.monotonic() < self.next_try:
+            return
+        try:
+            if self.settings.uploads_checkpoints():
+                self.upload_newest()
+            if self.settings.commits():
+                self.commit_and_prune()
+            self.upload_records()
+            self.failures, self.status["error"] = 0, ""
+        except Exception as err:  # noqa: BLE001 - the store being away never stops training: retry with backoff
+            self.failures += 1
+            self.status["failures"] += 1
+            self.status["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            delay = min(BACKOFF_MAX_S, 2.0 ** self.failures)
+            self.next_try = time.monotonic() + delay
+            log(f"upload failed ({self.status['error']}); trying again in {delay:.0f}s")
+        self.update_lag()
+
+    def update_lag(self) -> None:
+        local = tags.complete_tags(self.settings.checkpoint_dir)
+        self.status["local_step"] = tags.step_of(local[0]) if local else None
+        reference = self.status["committed_step"] if self.settings.commits() else self.status["uploaded_step"]
+        if self.status["local_step"] is not None:
+            self.status["lag_steps"] = self.status["local_step"] - (reference or 0)
+
+    def upload_newest(self) -> None:
+        local = tags.complete_tags(self.settings.checkpoint_dir)
+        if not local or local[0] == self.uploaded:
+            return
+        tag = local[0]
+        manifest_key = self.key("checkpoints", tag, "parts", f"{self.settings.node}.json")
+        if self.exists(manifest_key):  # put before this sidecar started (a restart, a restore from the bucket)
+            self.uploaded = tag
+            self.status["uploaded_step"] = tags.step_of(tag)
+            return
+        started, sent = time.monotonic(), 0
+        root_fd = os.open(self.settings.checkpoint_dir / tag, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            files = {}
+            for relpath, _ in tags.files_of(self.settings.checkpoint_dir / tag).items():
+                fd = open_under(root_fd, relpath)
+                if fd is None:
+                    continue  # a link, a FIFO, or gone: not uploaded
+                with os.fdopen(fd, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    self.store.put_object(self.settings.bucket, self.key("checkpoints", tag, "parts",
+                                                                          str(self.settings.node), relpath),
+                                          f, length=size, part_size=PART_SIZE, num_parallel_uploads=PARALLEL)
+                files[relpath] = size
+                sent += size
+        finally:
+            os.close(root_fd)
+        latest = self.settings.checkpoint_dir / tags.LATEST
+        manifest = {"tag": tag, "step": tags.step_of(tag), "node": self.settings.node, "nodes": self.settings.nodes,
+                    "files": files, "latest_at_root": _read_small(latest) == tag}
+        self.put_json(manifest_key, manifest)
+        seconds = time.monotonic() - started
+        self.uploaded = tag
+        self.status.update(uploaded_step=tags.step_of(tag), bytes=sent, seconds=round(seconds, 3),
+                           bytes_per_s=round(sent / seconds) if seconds > 0 else None)
+        log(f"uploaded {tag} (node {self.settings.node}'s part: {len(files)} files, {sent / 1e6:.1f} MB in "
+            f"{seconds:.1f}s)")
+
+    def exists(self, key: str) -> bool:
+        from minio.error import S3Error  # noqa: PLC0415
+
+        try:
+            self.store.stat_object(self.settings.bucket, key)
+            return True
+        except S3Error as err:
+            if err.code in ("NoSuchKey", "NoSuchObject", "ResourceNotFound"):
+                return False
+            raise
+
+    def put_json(self, key: str, value: dict) -> None:
+        import io  # noqa: PLC0415
+
+        data = json.dumps(value, indent=1).encode()
+        self.store.put_object(self.settings.bucket, key, io.BytesIO(data), length=len(data),
+                              content_type="application/json")
+
+    def bucket_tags(self) -> dict[str, dict]:
+        """Every tag under the release's checkpoints/: {tag: {"parts": set of nodes, "committed": bool}}."""
+        found: dict[str, dict] = {}
+        for item in self.store.list_objects(self.settings.bucket, prefix=self.key("checkpoints") + "/",
+                                            recursive=True):
+            rest = item.object_name[len(self.key("checkpoints")) + 1:].split("/")
+            entry = found.setdefault(rest[0], {"parts": set(), "committed": False})
+            if rest[1:] == ["committed.json"]:
+                entry["committed"] = True
+            elif len(rest) == 3 and rest[1] == "parts" and rest[2].endswith(".json"):
+                entry["parts"].add(rest[2].removesuffix(".json"))
+        return found
+
+    def commit_and_prune(self) -> None:
+        found = self.bucket_tags()
+        for tag, entry in found.items():
+            if not entry["committed"] and entry["parts"] >= {str(n) for n in range(self.settings.nodes)}:
+                self.put_json(self.key("checkpoints", tag, "committed.json"), {
+                    "tag": tag, "step": tags.step_of(tag), "nodes": self.settings.nodes,
+                    "storage": "per-worker" if self.settings.per_worker else "shared", "time": time.time()})
+                entry["committed"] = True
+                log(f"committed {tag} in the bucket ({self.settings.nodes} part(s))")
+        committed = sorted((t for t, e in found.items() if e["committed"]), key=_order, reverse=True)
+        self.status["committed_step"] = tags.step_of(committed[0]) if committed else None
+        if not committed:
+            return
+        newest = _order(committed[0])
+        doomed = [t for t in found if (found[t]["committed"] and t not in committed[:self.settings.keep])
+                  or (not found[t]["committed"] and _order(t) < newest)]
+        for tag in doomed:
+            self.delete_prefix(self.key("checkpoints", tag) + "/")
+            log(f"removed {tag} from the bucket (keeping the newest {self.settings.keep} committed)")
+
+    def delete_prefix(self, prefix: str) -> None:
+        from minio.deleteobjects import DeleteObject  # noqa: PLC0415
+
+        names = [DeleteObject(o.object_name) for o in self.store.list_objects(self.settings.bucket, prefix=prefix,
+                                                                              recursive=True)]
+        for error in self.store.remove_objects(self.settings.bucket, names):
+            log(f"could not remove {error.name}: {error.message}")
+
+    def upload_records(self) -> None:
+        """The job's records this pod keeps, mirrored on change: the ledger (its owner's), goodput (node 0's)."""
+        for kind, local in self.record_dirs():
+            for relpath, size in tags.files_of(local).items():
+                try:
+                    mtime = (local / relpath).stat(follow_symlinks=False).st_mtime_ns
+                except OSError:
+                    continue
+                key = self.key("job", kind, relpath)
+                if self.records.get(key) == (size, mtime):
+                    continue
+                root_fd = os.open(local, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    fd = open_under(root_fd, relpath)
+                finally:
+                    os.close(root_fd)
+                if fd is None:
+                    continue
+                with os.fdopen(fd, "rb") as f:
+                    length = os.fstat(f.fileno()).st_size
+                    self.store.put_object(self.settings.bucket, key, f, length=length)
+                self.records[key] = (size, mtime)
+
+    def record_dirs(self) -> list[tuple[str, Path]]:
+        dirs = []
+        if self.settings.attempts_dir and self.settings.attempts_dir.is_dir():
+            dirs.append((podstate.ATTEMPTS, self.settings.attempts_dir))
+        goodput = self.settings.checkpoint_dir / podstate.JOB_DIR / podstate.GOODPUT
+        if self.settings.commits() and goodput.is_dir():
+            dirs.append((podstate.GOODPUT, goodput))
+        return dirs
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.step()
+            stop.wait(POLL_S)
+
+
+def _order(tag: str) -> tuple[int, str]:
+    return tags.step_of(tag) or -1, tag
+
+
+def _read_small(path: Path) -> str:
+    try:
+        return path.read_text()[:256].strip()
+    except OSError:
+        return ""
+
+
+def _safe(relpath: str) -> bool:
+    return bool(_SAFE_PATH.match(relpath))
+
+
+def download(store, settings: Settings, prefix: str, target: Path) -> int:
+    """Every object under prefix into target (relative paths checked: nothing lands outside it); bytes."""
+    total = 0
+    for item in store.list_objects(settings.bucket, prefix=prefix, recursive=True):
+        relpath = item.object_name[len(prefix):]
+        if not _safe(relpath):
+            raise StoreError(f"object {item.object_name!r}: not a path below {prefix}")
+        path = target / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        response = store.get_object(settings.bucket, item.object_name)
+        try:
+            with open(path, "xb") as out:
+                for chunk in response.stream(CHUNK):
+                    out.write(chunk)
+                    total += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            response.close()
+            response.release_conn()
+    return total
+
+
+def restore_checkpoint(store, settings: Settings) -> str:
+    """The newest committed tag where this volume holds none as new (what this pod keeps of it); what was done."""
+    if not settings.uploads_checkpoints():
+        return "a shared claim: node 0 restores"
+    uploader = Uploader(settings, store)
+    found = uploader.bucket_tags()
+    committed = sorted((t for t, e in found.items() if e["committed"]), key=_order, reverse=True)
+    if not committed:
+        return "no committed checkpoint in the bucket"
+    tag = committed[0]
+    local = tags.complete_tags(settings.checkpoint_dir)
+    if local and _order(local[0]) >= _order(tag):
+        return f"{settings.checkpoint_dir / local[0]} is as new as the bucket's newest ({tag}): nothing to restore"
+    record = json.loads(store.get_object(settings.bucket, uploader.key("checkpoints", tag, "committed.json")).read())
+    nodes = int(record.get("nodes", 1))
+    if settings.node >= nodes and settings.per_worker:
+        return f"{tag} was written by {nodes} workers: no part for node {settings.node}"
+    started = time.monotonic()
+    settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    staging = settings.checkpoint_dir / f"{RESTORING}{tag}"
+    shutil.rmtree(staging, ignore_errors=True)
+    total, latest_at_root, manifests = 0, False, []
+    # A shared claim gets every part in one directory, node 0's last (its files win where parts share a name:
+    # the model states every worker wrote); per-worker volumes get their own part.
+    parts = [settings.node] if settings.per_worker else sorted(range(nodes), reverse=True)
+    for node in parts:
+        part = json.loads(store.get_object(settings.bucket, uploader.key("checkpoints", tag, "parts",
+                                                                         f"{node}.json")).read())
+        latest_at_root = latest_at_root or bool(part.get("latest_at_root"))
+        part_dir = staging.with_name(f"{staging.name}.{node}")
+        shutil.rmtree(part_dir, ignore_errors=True)
+        total += download(store, settings, uploader.key("checkpoints", tag, "parts", str(node)) + "/", part_dir)
+        manifest = tags.read_small(part_dir / tags.COMMIT_FILE)
+        if manifest:
+            manifests.append(json.loads(manifest))
+        for relpath in tags.files_of(part_dir):
+            (staging / relpath).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part_dir / relpath, staging / relpath)
+        shutil.rmtree(part_dir, ignore_errors=True)
+    if len(manifests) > 1:  # the train package's parts, committed one per volume: one commit for the whole tag
+        (staging / tags.COMMIT_FILE).write_text(json.dumps(tags.merge_commits(manifests), indent=1))
+    target = settings.checkpoint_dir / tag
+    if target.exists():
+        shutil.rmtree(target)  # an incomplete local copy of it
+    os.replace(staging, target)
+    if latest_at_root or tags.TAG_PATTERN.match(tag):
+        tmp = settings.checkpoint_dir / f".{tags.LATEST}.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, settings.checkpoint_dir / tags.LATEST)
+    seconds = time.monotonic() - started
+    which = f"node {settings.node}'s part" if settings.per_worker else f"{len(parts)} part(s)"
+    return f"restored {tag} from the bucket into {target} ({which}, {total / 1e6:.1f} MB in {seconds:.1f}s)"
+
+
+def restore_records(store, settings: Settings) -> list[str]:
+    """The job's records this pod keeps, where it has none yet (a new pod, a new volume): the failure budget and the
+    goodput history survive the loss of every pod and volume."""
+    done = []
+    for kind, local in ((podstate.ATTEMPTS, settings.attempts_dir),
+                        (podstate.GOODPUT, settings.checkpoint_dir / podstate.JOB_DIR / podstate.GOODPUT
+                         if settings.commits() else None)):
+        if local is None or (local.is_dir() and any(local.iterdir())):
+            continue
+        prefix = settings.prefix + f"job/{kind}/"
+        if next(iter(store.list_objects(settings.bucket, prefix=prefix)), None) is None:
+            continue
+        staging = local.parent / f"{RESTORING}{kind}"
+        shutil.rmtree(staging, ignore_errors=True)
+        count = download(store, settings, prefix, staging)
+        shutil.rmtree(local, ignore_errors=True)
+        os.replace(staging, local)
+        done.append(f"the job's {kind} records ({count} bytes)")
+    return done
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("check", "restore"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    settings = Settings()
+    try:
+        store = client(settings)
+        check(store, settings)
+        if argv[0] == "check":
+            print(f"objectstore: {settings.bucket} at {settings.endpoint} answers for {settings.prefix}")
+            return 0
+        print(f"objectstore: {restore_checkpoint(store, settings)}", flush=True)
+        for what in restore_records(store, settings):
+            print(f"objectstore: restored {what}", flush=True)
+    except StoreError as err:
+        print(f"objectstore: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

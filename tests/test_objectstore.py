@@ -1,0 +1,291 @@
+"""The object store of checkpoints (files/objectstore.py) against a real S3-compatible gateway (Ceph's RADOS Gateway,
+tests/support/s3.py), with checkpoints the real DeepSpeed engine wrote on two workers' own volumes: parts uploaded
+and committed once every worker's is there, every pod and volume lost and the job resumed from the bucket with the
+same losses and its failure budget, a tag cut by a kill during its upload never restored, retention, what a tenant
+plants in a checkpoint directory, and a wrong bucket, key or endpoint refused in one line before any rank starts."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.support import s3
+from tests.support.chart import CHART, pod_script
+from tests.support.harness import wait_for
+from tests.support.ports import free_port
+from tests.support.train_run import cpu_ds_config, metrics, run_per_worker, write_ds_config
+from train import checkpoint, podstate
+
+pytestmark = pytest.mark.skipif(s3.unavailable() is not None, reason=s3.unavailable() or "")
+objectstore = pod_script("objectstore")
+SCRIPT = CHART / "files" / "objectstore.py"
+TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    return s3.up()
+
+
+def settings(env: dict, **extra) -> "objectstore.Settings":
+    return objectstore.Settings(env={**env, **extra})
+
+
+def worker_env(gateway, bucket, directory, node, nodes=2, **extra):
+    return s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory), DS_CHECKPOINT_STORAGE="per-worker",
+                        DS_NODE_RANK=str(node), DS_WORKERS=str(nodes), DS_OBJECT_STORE_ROLE="worker", **extra)
+
+
+def run_script(command: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    """files/objectstore.py as the restore container runs it: python3 -I, only the chart's env."""
+    return subprocess.run([sys.executable, "-I", str(SCRIPT), command], env={"PATH": os.environ["PATH"], **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """16 steps on two workers' own volumes (ZeRO-2, checkpoints every 4: 8, 12 and 16 kept)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    ds_config = write_ds_config(tmp, cpu_ds_config(stage=2, micro=2, accum=2,
+                                                   checkpoint={"use_node_local_storage": True}))
+    dirs = [tmp / "worker-0", tmp / "worker-1"]
+    result = run_per_worker(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4", *TINY], dirs)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return ds_config, dirs
+
+
+def test_every_workers_part_then_the_commit_and_a_job_that_lost_every_volume_resumes_from_the_bucket(
+        gateway, trained, tmp_path):
+    ds_config, reference = trained
+    bucket = s3.new_bucket(gateway)
+    dirs = [tmp_path / "worker-0", tmp_path / "worker-1"]
+    common = ["--ds-config", str(ds_config), "--checkpoint-every", "4", *TINY]
+    first = run_per_worker([*common, "--steps", "8"], dirs)
+    assert first.returncode == 0, first.stdout[-4000:]
+    ledger = tmp_path / "ledger"
+    (ledger / "job-a" / "0001").mkdir(parents=True)
+    (ledger / "job-a" / "0001" / "outcome").write_text("1\n")  # a failed attempt: the budget used so far
+    node0 = objectstore.Uploader(settings(worker_env(gateway, bucket, dirs[0], 0, DS_ATTEMPTS_DIR=str(ledger),
+                                                     DS_LEDGER_ON_WORKER0="true")))
+    node1 = objectstore.Uploader(settings(worker_env(gateway, bucket, dirs[1], 1)))
+    node0.step()  # node 0's part: no commit while node 1's is missing
+    assert node0.bucket_tags()["step_00000008"] == {"parts": {"0"}, "committed": False}
+    node1.step()
+    node0.step()
+    assert node0.bucket_tags()["step_00000008"] == {"parts": {"0", "1"}, "committed": True}
+    assert node0.status["committed_step"] == 8 and node0.status["lag_steps"] == 0
+    assert node1.status["uploaded_step"] == 8 and node1.status["bytes_per_s"] > 0
+    # Every pod and volume lost: new, empty volumes restore their own parts (and node 0 the ledger), then resume.
+    fresh = [tmp_path / "new-0", tmp_path / "new-1"]
+    new_ledger = tmp_path / "new-ledger"
+    for node, directory in enumerate(fresh):
+        extra = {"DS_ATTEMPTS_DIR": str(new_ledger), "DS_LEDGER_ON_WORKER0": "true"} if node == 0 else {}
+        restored = run_script("restore", worker_env(gateway, bucket, directory, node, **extra))
+        assert restored.returncode == 0, restored.stderr
+        assert f"restored step_00000008 from the bucket into {directory / 'step_00000008'} (node {node}'s part" \
+            in restored.stdout, restored.stdout
+        assert checkpoint.is_complete(directory / "step_00000008")
+        assert (directory / "latest").read_text() == "step_00000008"
+    assert (new_ledger / "job-a" / "0001" / "outcome").read_text() == "1\n"
+    assert "the job's attempts records" in run_script("restore", worker_env(
+        gateway, bucket, tmp_path / "new-0b", 0, DS_ATTEMPTS_DIR=str(tmp_path / "ledger-b"),
+        DS_LEDGER_ON_WORKER0="true")).stdout
+    # A volume that holds the tag already is left alone.
+    again = run_script("restore", worker_env(gateway, bucket, fresh[1], 1))
+    assert "is as new as the bucket's newest (step_00000008): nothing to restore" in again.stdout, again.stdout
+    resumed = run_per_worker([*common, "--steps", "16"], fresh)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert f"resumed from {fresh[0] / 'step_00000008'} at step 8" in resumed.stdout
+    losses, expected = dict(metrics(fresh[0])["losses"]), dict(metrics(reference[0])["losses"])
+    assert sorted(losses) == list(range(9, 17))
+    for step in range(9, 17):
+        assert losses[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+
+
+def test_a_shared_claim_restores_every_part_into_one_directory_with_one_commit(gateway, trained, tmp_path):
+    """A tag written on per-worker volumes, restored onto a shared claim (node 0 alone restores there): every
+    worker's files and one commit.json that lists them all, as a shared directory's would."""
+    _, reference = trained
+    bucket = s3.new_bucket(gateway)
+    uploaders = [objectstore.Uploader(settings(worker_env(gateway, bucket, d, n))) for n, d in enumerate(reference)]
+    for uploader in (*uploaders, uploaders[0]):
+        uploader.step()
+    shared = tmp_path / "shared"
+    restored = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(shared), DS_NODE_RANK="0",
+                                                  DS_CHECKPOINT_STORAGE="shared", DS_OBJECT_STORE_ROLE="worker"))
+    assert restored.returncode == 0 and "(2 part(s)" in restored.stdout, restored.stdout + restored.stderr
+    tag = shared / "step_00000016"
+    assert checkpoint.is_complete(tag)
+    files = set(checkpoint.read_manifest(tag)["files"])
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "mp_rank_00_model_states.pt"} <= files, files
+    other = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "x"),
+                                               DS_NODE_RANK="1", DS_CHECKPOINT_STORAGE="shared",
+                                               DS_OBJECT_STORE_ROLE="worker"))
+    assert other.returncode == 0 and not (tmp_path / "x").exists()
+
+
+PART = objectstore.PART_SIZE
+
+
+def read_so_far(pid: int, path) -> int:
+    """How far process pid has read the file at path (its descriptor's offset), 0 if it has it not open."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == str(path):
+                return int(Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return 0
+
+
+def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the_newest(gateway, tmp_path):
+    bucket = s3.new_bucket(gateway)
+    directory = tmp_path / "ckpt"
+    for step in (10, 20):
+        tag = directory / checkpoint.tag_for(step)
+        tag.mkdir(parents=True)
+        (tag / "shard.pt").write_bytes(os.urandom(1 << 20))
+        (tag / "commit.json").write_text(json.dumps({"step": step, "files": checkpoint.files_of(tag)}))
+        objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)))).step()
+    # A big tag, its upload killed with the uploader's process: parts of it in the bucket, no commit.
+    big = directory / checkpoint.tag_for(30)
+    big.mkdir()
+    with open(big / "shard.pt", "wb") as f:
+        f.truncate(600 << 20)
+    (big / "commit.json").write_text(json.dumps({"step": 30, "files": checkpoint.files_of(big)}))
+    env = {"PATH": os.environ["PATH"], **s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory))}
+    uploader = subprocess.Popen([sys.executable, "-I", "-c", (
+        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import objectstore; "
+        "objectstore.Uploader(objectstore.Settings()).step()")], env=env, stderr=subprocess.PIPE)
+    wait_for(lambda: uploader.poll() is not None or read_so_far(uploader.pid, big / "shard.pt") > PART, 60,
+             "the upload of step 30 to be under way")
+    assert uploader.poll() is None, "the upload of 600 MB finished before it could be killed"
+    os.kill(uploader.pid, signal.SIGKILL)
+    uploader.wait()
+    restored = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
+    assert "restored step_00000020 from the bucket" in restored.stdout, restored.stdout + restored.stderr
+    shutil.rmtree(big)
+    # Retention, keep 1: the newest committed stays, and the cut tag, newer (from the bucket, it may be uploading);
+    # once a newer one is committed, every older tag goes, committed or not. A restarted uploader puts no part twice.
+    keep1 = objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory),
+                                                       DS_OBJECT_STORE_KEEP="1")))
+    keep1.step()
+    assert keep1.status["bytes"] == 0 and keep1.status["uploaded_step"] == 20
+    assert {t: e["committed"] for t, e in keep1.bucket_tags().items()} == {"step_00000020": True,
+                                                                           "step_00000030": False}
+    newer = directory / checkpoint.tag_for(40)
+    newer.mkdir()
+    (newer / "shard.pt").write_bytes(b"40")
+    (newer / "commit.json").write_text(json.dumps({"step": 40, "files": checkpoint.files_of(newer)}))
+    keep1.step()
+    assert {t: e["committed"] for t, e in keep1.bucket_tags().items()} == {"step_00000040": True}
+
+
+def test_links_fifos_and_devices_planted_in_a_checkpoint_are_neither_followed_nor_uploaded(gateway, tmp_path):
+    bucket = s3.new_bucket(gateway)
+    directory = tmp_path / "ckpt"
+    tag = directory / "step_00000005"
+    (tag / "sub").mkdir(parents=True)
+    (tag / "shard.pt").write_bytes(b"weights")
+    secret = tmp_path / "token"
+    secret.write_text("the sidecar's token")
+    (tag / "token").symlink_to(secret)
+    (tag / "linked-dir").symlink_to(tmp_path)
+    os.mkfifo(tag / "sub" / "fifo")
+    (tag / "commit.json").write_text(json.dumps({"step": 5, "files": {"shard.pt": 7}}))
+    uploader = objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory))))
+    started = time.monotonic()
+    uploader.step()  # does not block on the FIFO
+    assert time.monotonic() - started < 30 and uploader.status["error"] == ""
+    names = sorted(o.object_name for o in s3.client(gateway).list_objects(bucket, prefix="ml/job/", recursive=True))
+    assert names == ["ml/job/checkpoints/step_00000005/committed.json",
+                     "ml/job/checkpoints/step_00000005/parts/0.json",
+                     "ml/job/checkpoints/step_00000005/parts/0/commit.json",
+                     "ml/job/checkpoints/step_00000005/parts/0/shard.pt"], names
+    # commit.json itself a FIFO: the tag is not complete, and nothing blocks
+    os.replace(tag / "commit.json", tmp_path / "kept.json")
+    os.mkfifo(tag / "commit.json")
+    assert podstate is not None and objectstore.tags.complete_tags(directory) == []
+
+
+@pytest.mark.parametrize("case", ["bucket", "keys", "endpoint", "tls without the CA", "tls"])
+def test_a_store_the_pods_cannot_use_is_refused_before_any_rank_in_one_line_naming_the_value(gateway, case):
+    bucket = s3.new_bucket(gateway)
+    env = s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR="/nonexistent")
+    if case == "bucket":
+        env["DS_OBJECT_STORE_BUCKET"] = "no-such-bucket"
+    elif case == "keys":
+        env["AWS_SECRET_ACCESS_KEY"] = "wrong"
+    elif case == "endpoint":
+        env["DS_OBJECT_STORE_ENDPOINT"] = "http://127.0.0.1:9"
+    else:
+        env["DS_OBJECT_STORE_ENDPOINT"] = gateway["LOCAL_S3_TLS_ENDPOINT"]
+        if case == "tls":
+            env["DS_OBJECT_STORE_CA_FILE"] = gateway["LOCAL_S3_CA_BUNDLE"]
+    result = run_script("check", env)
+    if case == "tls":
+        assert result.returncode == 0 and "answers for ml/job/" in result.stdout, result.stderr
+        return
+    assert result.returncode == 1 and result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result
+    expected = {"bucket": "checkpoints.objectStore.bucket 'no-such-bucket': no such bucket",
+                "keys": "checkpoints.objectStore.credentialsSecret 'ml-checkpoints-s3': the bucket",
+                "endpoint": "checkpoints.objectStore.endpoint 'http://127.0.0.1:9': unreachable",
+                "tls without the CA": "checkpoints.objectStore.endpoint"}[case]
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_sidecar_uploads_in_the_background_and_serves_how_far_the_bucket_is(gateway, tmp_path):
+    """files/sidecar.py as a worker pod's runs it, with the chart's object-store env: the uploads run in a thread
+    of their own, and its metrics say the committed step and the lag."""
+    bucket = s3.new_bucket(gateway)
+    directory, state = tmp_path / "ckpt", tmp_path / "ranks"
+    state.mkdir()
+    tag = directory / "step_00000012"
+    tag.mkdir(parents=True)
+    (tag / "shard.pt").write_bytes(os.urandom(3 << 20))
+    (tag / "commit.json").write_text(json.dumps({"step": 12, "files": checkpoint.files_of(tag)}))
+    attempt = tmp_path / "ledger" / "job-a" / "0002"
+    attempt.mkdir(parents=True)
+    port = free_port()
+    env = {"PATH": os.environ["PATH"], podstate.STATE_DIR_ENV: str(state), "PYTHONUNBUFFERED": "1",
+           "DS_NODE_RANK": "0", "KUBECONFIG": str(tmp_path / "none"),
+           **s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory), DS_OBJECT_STORE_ROLE="worker",
+                          DS_ATTEMPTS_DIR=str(tmp_path / "ledger"), DS_LEDGER_ON_WORKER0="true")}
+    sidecar = subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "sidecar.py"), "--progress",
+                                "--metrics-port", str(port)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+
+    def scrape() -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                return response.read().decode()
+        except OSError:
+            return ""
+
+    try:
+        wait_for(lambda: "deepspeed_training_checkpoint_committed_step 12.0" in scrape(), 60,
+                 "the committed step in the sidecar's metrics", scrape)
+        text = scrape()
+        assert "deepspeed_training_checkpoint_upload_lag_steps 0.0" in text
+        assert "deepspeed_training_checkpoint_upload_failures 0.0" in text
+        assert re.search(r"^deepspeed_training_checkpoint_upload_bytes_per_second \d", text, re.M)
+        # What the pod writes last, as its main container ends (a preemption marked in the ledger), goes up on
+        # the SIGTERM the sidecar gets after it.
+        (attempt / "stopped-worker-0").write_text("")
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        out, _ = sidecar.communicate(timeout=30)
+    assert f"uploading checkpoints to {bucket} under ml/job/" in out, out
+    assert sidecar.returncode == 0, out
+    names = {o.object_name for o in s3.client(gateway).list_objects(bucket, prefix="ml/job/job/", recursive=True)}
+    assert "ml/job/job/attempts/job-a/0002/stopped-worker-0" in names, names
