@@ -12,6 +12,7 @@ import re
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
@@ -83,7 +84,22 @@ def diagnose(namespace: str) -> str:
     pods = kubectl("get", "pods", "-o", "wide", namespace=namespace, check=False)
     events = kubectl("get", "events", "--sort-by=.lastTimestamp", namespace=namespace, check=False)
     logs = kubectl("logs", f"job/{LAUNCHER}", "--tail=60", namespace=namespace, check=False)
-    return f"{pods}\n{events[-3000:]}\n{logs}"
+    return f"{pods}\n{events[-3000:]}\n{logs}\n{failed_container_logs(namespace)}"
+
+
+def failed_container_logs(namespace: str) -> str:
+    """The last lines of every container (init containers included) that exited non-zero: an Init:Error shows why."""
+    out = []
+    for pod in json.loads(kubectl("get", "pods", "-o", "json", namespace=namespace, check=False) or '{"items": []}')[
+            "items"]:
+        status = pod.get("status", {})
+        for container in status.get("initContainerStatuses", []) + status.get("containerStatuses", []):
+            state = container.get("state", {}).get("terminated") or container.get("lastState", {}).get("terminated")
+            if state and state.get("exitCode"):
+                log = kubectl("logs", pod["metadata"]["name"], "-c", container["name"], "--tail=20",
+                              namespace=namespace, check=False)
+                out.append(f"--- {pod['metadata']['name']}/{container['name']} exited {state['exitCode']}:\n{log}")
+    return "\n".join(out[:6])
 
 
 def launcher_attempts(namespace: str) -> list[tuple[str, str]]:
@@ -541,6 +557,16 @@ def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_templa
     print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
 
 
+def endpoint_for_pods(gateway: dict[str, str]) -> str:
+    """The local gateway as this cluster's pods reach it. local-s3's LOCAL_S3_ENDPOINT_FOR_PODS names the host's
+    own address, which local-k8s's pods have no route to (no default route); the host's side of their bridge, which
+    is also their DNS server (the kubelet's clusterDNS), is on their link, and the gateway listens there too."""
+    node = json.loads(kubectl("get", "nodes", "-o", "json", namespace="default"))["items"][0]["metadata"]["name"]
+    config = json.loads(kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/configz", namespace="default"))
+    port = urllib.parse.urlsplit(gateway["LOCAL_S3_ENDPOINT_FOR_PODS"]).port
+    return f"http://{config['kubeletconfig']['clusterDNS'][0]}:{port}"
+
+
 def test_every_worker_pod_and_volume_lost_resumes_from_the_bucket_with_the_failure_budget_it_had(namespace):
     """launchMode nossh on the chart's default storage (an emptyDir per worker pod) with an S3 bucket (the real RADOS
     Gateway on this host, which the pods reach at its address): a killed rank spends one failure and the retry in
@@ -556,7 +582,7 @@ def test_every_worker_pod_and_volume_lost_resumes_from_the_bucket_with_the_failu
     kubectl("create", "secret", "generic", "ckpt-s3", *(f"--from-literal={key}={gateway[key]}" for key in (
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")), namespace=namespace)
     install(namespace, steps=100000, launchMode="nossh", job={"runRetries": 2},
-            checkpoints={"objectStore": {"bucket": bucket, "endpoint": gateway["LOCAL_S3_ENDPOINT_FOR_PODS"],
+            checkpoints={"objectStore": {"bucket": bucket, "endpoint": endpoint_for_pods(gateway),
                                          "credentialsSecret": "ckpt-s3"}})
     store = s3.client(gateway)
     prefix = f"{namespace}/{RELEASE}/checkpoints/"

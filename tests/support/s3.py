@@ -4,6 +4,8 @@ ends (conftest.py). Each test makes a bucket of its own."""
 
 import fcntl
 import os
+import shutil
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -29,6 +31,11 @@ def up() -> dict[str, str]:
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         proc = subprocess.run(["bash", str(SCRIPT), "up", str(STATE)], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 and STATE.exists():
+            # The state of a gateway that did not stop cleanly (a killed run): clear it and start afresh once.
+            down()
+            proc = subprocess.run(["bash", str(SCRIPT), "up", str(STATE)], capture_output=True, text=True,
+                                  timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"local-s3.sh up failed: {proc.stderr[-2000:]}")
     env = {}
@@ -39,8 +46,20 @@ def up() -> dict[str, str]:
 
 
 def down() -> None:
+    if not STATE.exists():
+        return
+    subprocess.run(["bash", str(SCRIPT), "down", str(STATE)], capture_output=True, timeout=120)
     if STATE.exists():
-        subprocess.run(["bash", str(SCRIPT), "down", str(STATE)], capture_output=True, timeout=120)
+        # local-s3.sh's down stops at a pid file whose daemon is already gone (set -e on the failed kill): stop what
+        # is left by its pid files and remove the state, as its down would have.
+        for pidfile in (STATE / "run").glob("*.pid"):
+            try:
+                pid = int(pidfile.read_text().strip())
+                if str(STATE) in Path(f"/proc/{pid}/cmdline").read_text():  # never a reused pid's process
+                    os.kill(pid, signal.SIGKILL)
+            except (ValueError, OSError):
+                pass
+        shutil.rmtree(STATE, ignore_errors=True)
 
 
 def client(env: dict[str, str]):
