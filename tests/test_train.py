@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -68,6 +69,7 @@ def uninterrupted(tmp_path_factory):
     result = run_train(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4",
                         "--checkpoint-dir", str(ckpt), *TINY])
     assert result.returncode == 0, result.stdout[-4000:]
+    (tmp / "out.log").write_text(result.stdout)
     return ds_config, ckpt
 
 
@@ -136,6 +138,55 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path):
     stopped = int(re.search(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", out).group(1))
     assert checkpoint.is_complete(ckpt / checkpoint.tag_for(stopped))
     assert (ckpt / "latest").read_text() == checkpoint.tag_for(stopped)
+
+
+def test_background_saves_commit_each_tag_once_written_and_say_what_the_steps_waited(uninterrupted):
+    _, ckpt = uninterrupted  # saved in the background, the default; the resumes above match it step for step
+    out = (ckpt.parent / "out.log").read_text()
+    for step in (4, 8, 12):  # the last step's save waits for its write, as a SIGTERM's does (12's first)
+        assert re.search(rf"saved checkpoint step_{step:08d} in [\d.]+s in the background \([\d.]+ MB on this rank, "
+                         r"[\d,]+ MB/s; the steps waited [\d.]+s\)", out), out[-4000:]
+    assert re.search(r"saved checkpoint step_00000016 in [\d.]+s\n", out), out[-4000:]
+    assert sorted(p.name for p in checkpoint.tags_newest_first(ckpt)) == [
+        "step_00000008", "step_00000012", "step_00000016"]
+    assert all(checkpoint.is_complete(tag) for tag in checkpoint.tags_newest_first(ckpt))
+    assert (ckpt / "latest").read_text() == "step_00000016"
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A checkpoint volume of `size` bytes (a tmpfs: root), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = []
+
+    def mount(size: int):
+        path = tmp_path / "volume"
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_checkpoint_volume_stops_every_rank_in_one_line_and_the_last_committed_tag_stays(
+        tmp_path, uninterrupted, small_volume):
+    ds_config, reference = uninterrupted
+    tag_bytes = sum(p.stat().st_size for p in (reference / "step_00000008").rglob("*") if p.is_file())
+    ckpt = small_volume(tag_bytes * 3 // 2)  # room for one tag, not for the next beside it
+    result = run_train(["--ds-config", str(ds_config), "--steps", "100", "--checkpoint-every", "2",
+                        "--checkpoint-dir", str(ckpt), *TINY])
+    assert result.returncode == 2, result.stdout[-4000:]
+    # torch.save's zip writer reports the full disk as a RuntimeError: the volume's room says what it was.
+    assert re.search(rf"ERROR checkpoint {ckpt}/step_00000004: writing it failed \(.+\) on the checkpoint volume "
+                     rf"{ckpt} \(full: [\d.]+ MiB free of [\d.]+ MiB\); nothing of it is resumed from\n",
+                     result.stdout), result.stdout[-4000:]
+    assert "Traceback" not in result.stdout, result.stdout[-4000:]
+    assert checkpoint.is_complete(ckpt / "step_00000002") and not checkpoint.is_complete(ckpt / "step_00000004")
+    assert (ckpt / "latest").read_text() == "step_00000002"
 
 
 def test_a_hugging_face_model_from_a_local_config_trains(tmp_path):

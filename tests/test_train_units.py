@@ -39,6 +39,35 @@ def test_a_moved_key_says_where_it_went(tmp_path):
         parse_args(["--ds-config", "ds.json", "--config", str(path)])
 
 
+def test_boolean_flags_take_false_as_false():
+    assert parse_args(["--ds-config", "x"]).checkpoint_background is True
+    cfg = parse_args(["--ds-config", "x", "--checkpoint-background", "false", "--reset-optimizer", "no"])
+    assert (cfg.checkpoint_background, cfg.reset_optimizer) == (False, False)
+    assert parse_args(["--ds-config", "x", "--reset-optimizer", "true"]).reset_optimizer is True
+    with pytest.raises(ConfigError, match=r"argument --checkpoint-background: invalid boolean value: 'maybe'"):
+        parse_args(["--ds-config", "x", "--checkpoint-background", "maybe"])
+
+
+def test_a_background_saves_snapshot_is_a_compact_copy_training_cannot_change():
+    import collections
+
+    import torch
+
+    from train.checkpoint import snapshot
+
+    flat = torch.arange(8, dtype=torch.float32)
+    state = collections.OrderedDict(view=flat[2:4], shape=torch.Size([2]), step=3, groups=[{"lr": 0.1}],
+                                    pair=(flat[:1], "x"))
+    state._metadata = {"": {"version": 1}}
+    copy = snapshot(state)
+    flat.add_(100)  # the next optimizer step, in place
+    state["groups"][0]["lr"] = 0.5
+    assert copy["view"].tolist() == [2.0, 3.0] and copy["view"].untyped_storage().nbytes() == 8
+    assert copy["pair"][0].tolist() == [0.0] and copy["pair"][1] == "x"
+    assert copy["groups"][0]["lr"] == 0.1 and copy["step"] == 3 and copy["shape"] == torch.Size([2])
+    assert type(copy) is collections.OrderedDict and copy._metadata == {"": {"version": 1}}
+
+
 def test_ds_config_is_required():
     with pytest.raises(ConfigError, match=r"ds_config must be a path \(--ds-config\)"):
         parse_args([])

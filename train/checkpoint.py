@@ -12,17 +12,27 @@ machine), whose writer is global rank 0; or `per-worker`, a volume per worker po
 own shards (and, with DeepSpeed's `checkpoint.use_node_local_storage`, which the chart sets, the model states) to
 their pod's volume, each worker's local rank 0 commits the part its volume holds, and a tag is complete only where
 every worker committed its part: a crash between two workers' commits leaves a tag that no rank resumes from.
+
+Background saves (--checkpoint-background, on by default): the step loop waits only while DeepSpeed's state is
+copied into host memory (SnapshotEngine, DeepSpeed's checkpoint-engine interface); a thread per rank writes and
+fsyncs the copy while training goes on, and the tag is committed, as above, once every rank reports its writes
+durable (Checkpointer.poll, one small all-reduce a step while a save is in flight). A save at the last step or at
+SIGTERM, and any save while an earlier one is still being written, waits for it: at most one tag is in flight.
+The copy costs host memory the size of this rank's part of the checkpoint.
 """
 
 import argparse
+import copy
 import json
 import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import deepspeed.comm as dist
+import torch
 from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_INFO,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -279,56 +289,210 @@ def _convert(source: Path, target: Path) -> None:
     write_atomic(target / COMMIT_FILE, json.dumps({"source": source.name, "files": files_of(target)}, indent=1))
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, layout: dict, ds_config: dict) -> str:
-    """Saves on ALL ranks (DeepSpeed needs every rank's shards), then commits: once every rank's files are
-    durable, each directory's writer (writes_commits) records what its directory holds. The manifest records the
-    owning release, the layout and the ds_config (a resume checks and compares them)."""
-    started = time.perf_counter()
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, writer: "SnapshotEngine | None" = None) -> str:
+    """DeepSpeed's save on ALL ranks (it needs every rank's shards). Blocking (writer None): every rank's files are
+    written and durable when it returns. Background: the state is captured in host memory and `writer` writes it."""
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
-    writer = writes_commits()
-    if writer and tag_dir.exists():  # left by an attempt that died mid-save
+    if writes_commits() and tag_dir.exists():  # left by an attempt that died mid-save
         shutil.rmtree(tag_dir)
     dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, **UNIVERSAL_INFO}, save_latest=False)
-    for path in tag_dir.rglob("*"):  # each rank makes sure what it wrote is durable
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, **UNIVERSAL_INFO},
+                               save_latest=False)
+        if writer is None:
+            fsync_tree(tag_dir)
+    except OSError as err:
+        raise CheckpointError(disk_error(ckpt_dir, tag, err)) from None
+    return tag
+
+
+def fsync_tree(tag_dir: Path) -> int:
+    """fsyncs every file under tag_dir (what this rank wrote is durable) and returns their bytes."""
+    total = 0
+    for path in tag_dir.rglob("*"):
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    dist.barrier()
-    if writer:
-        manifest = {"step": step, "release": release(), "save_s": round(time.perf_counter() - started, 3), **layout,
-                    "storage": storage(), "ds_config": ds_config, "files": files_of(tag_dir)}
-        write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
-        write_atomic(ckpt_dir / "latest", tag)
-        prune(ckpt_dir, keep)
-    dist.barrier()
-    return tag
+                total += os.fstat(f.fileno()).st_size
+    return total
+
+
+def disk_error(ckpt_dir: Path, tag: str, err: BaseException) -> str:
+    """One line: the tag, what failed, and the volume with its room (torch.save reports a full disk as a
+    RuntimeError of its zip writer, not as ENOSPC: the room says it)."""
+    cause = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
+    cause = cause.splitlines()[0][:200] if cause else type(err).__name__
+    try:
+        usage = shutil.disk_usage(ckpt_dir)
+        unit, scale = ("GiB", 2**30) if usage.total >= 2**30 else ("MiB", 2**20)
+        room = f"{usage.free / scale:.1f} {unit} free of {usage.total / scale:.1f} {unit}"
+        if usage.free < min(2**20, usage.total // 100 + 1):
+            room = f"full: {room}"
+    except OSError:
+        room = "its size unknown"
+    return (f"checkpoint {ckpt_dir / tag}: writing it failed ({cause}) on the checkpoint volume {ckpt_dir} "
+            f"({room}); nothing of it is resumed from")
+
+
+def commit(ckpt_dir: Path, step: int, keep: int, layout: dict, ds_config: dict, save_s: float) -> None:
+    """Once every rank's files of the tag are durable: each directory's writer (writes_commits) records what its
+    directory holds. The manifest records the owning release, the layout and the ds_config (a resume checks and
+    compares them)."""
+    if not writes_commits():
+        return
+    tag_dir = ckpt_dir / tag_for(step)
+    manifest = {"step": step, "release": release(), "save_s": round(save_s, 3), **layout, "storage": storage(),
+                "ds_config": ds_config, "files": files_of(tag_dir)}
+    write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
+    write_atomic(ckpt_dir / "latest", tag_dir.name)
+    prune(ckpt_dir, keep)
+
+
+def snapshot(value):
+    """A copy of a state dict that training cannot change: every tensor copied into host memory (compact: a view
+    keeps none of its base), containers rebuilt, anything else deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        out = copy.copy(value)  # keeps the mapping's type and attributes (a state dict's _metadata)
+        for key, item in value.items():
+            out[key] = snapshot(item)
+        return out
+    if isinstance(value, list):
+        return [snapshot(item) for item in value]
+    if isinstance(value, tuple):
+        items = [snapshot(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return copy.deepcopy(value)
+
+
+class SnapshotEngine:
+    """DeepSpeed's checkpoint engine (deepspeed.runtime.checkpoint_engine's interface) for background saves: save()
+    captures the state in host memory and returns; write() hands what one save_checkpoint captured to a thread,
+    which writes each file with the engine it replaces (torch.save) and fsyncs it. Loading is the replaced
+    engine's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = f"snapshot+{getattr(inner, 'name', type(inner).__name__)}"
+        self.captured: list[tuple[object, str]] = []
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+
+    def __getattr__(self, name):  # the rest of the interface (makedirs, load, is_data_parallel_writer, ...)
+        return getattr(self.inner, name)
+
+    def create(self, info) -> None:
+        self.captured = []
+        self.inner.create(info)
+
+    def save(self, state_dict, path: str) -> None:
+        self.captured.append((snapshot(state_dict), path))
+
+    def commit(self, info) -> bool:
+        return True  # the tag's commit is Checkpointer's, once every rank's writes are durable
+
+    def is_decoupled(self) -> bool:
+        return False
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # snapshot() copies each tensor compactly: DeepSpeed need not clone views first
+
+    def write(self, tag_dir: Path) -> Future:
+        captured, self.captured = self.captured, []
+        return self.thread.submit(self._write, captured, tag_dir)
+
+    def _write(self, captured: list, tag_dir: Path) -> int:
+        for state, path in captured:
+            self.inner.save(state, path)
+        del captured
+        total = fsync_tree(tag_dir)
+        _fsync_dir(tag_dir)
+        return total
 
 
 class Checkpointer:
     """Owns the save cadence: every `every` steps (0: none on the way), at the last step, and when the ranks
-    stop (SIGTERM). save() runs on every rank, as DeepSpeed needs."""
+    stop (SIGTERM). save() runs on every rank, as DeepSpeed needs; so does poll(), every step."""
 
     def __init__(self, engine, ckpt_dir: Path, every: int, keep: int, layout: dict, ds_config: dict,
-                 start_step: int):
+                 start_step: int, background: bool = False):
         self.engine, self.ckpt_dir, self.every, self.keep = engine, ckpt_dir, every, keep
         self.layout, self.ds_config = layout, ds_config
-        self.last_saved = start_step
+        self.last_saved = start_step  # the newest committed step
+        self.writer = None
+        if background:
+            self.writer = engine.checkpoint_engine = SnapshotEngine(engine.checkpoint_engine)
+        self.in_flight: tuple[int, Future, float, float | None] | None = None  # step, its write, started, stall
+        self.committed: list[dict] = []  # take_committed()'s
 
     def due(self, step: int, last_step: bool, stopping: bool) -> bool:
         return stopping or last_step or bool(self.every and step % self.every == 0)
 
     def save(self, step: int, client_state: dict, last_step: bool = False, stopping: bool = False
              ) -> tuple[Path, float] | None:
-        """(the committed tag's dir, seconds it took) when a save is due at `step`, else None."""
+        """(the tag's dir, seconds the step loop waited) when a save is due at `step`, else None. A blocking save
+        is committed when this returns; a background one when poll() says so."""
         if not self.due(step, last_step, stopping):
             return None
         rankstate.report("stopping" if stopping else "saving", step)  # a long save is not a hang
         started = time.perf_counter()
-        tag = save(self.engine, self.ckpt_dir, step, client_state, self.keep, self.layout, self.ds_config)
+        self.poll(wait=True)  # the save in flight first: one at a time
+        background = self.writer is not None and not (stopping or last_step)
+        tag = save(self.engine, self.ckpt_dir, step, client_state, self.writer if background else None)
+        if background:
+            stall = time.perf_counter() - started
+            self.in_flight = (step, self.writer.write(self.ckpt_dir / tag), started, stall)
+            return self.ckpt_dir / tag, stall
+        if self.writer is not None:  # DeepSpeed saved through the snapshot engine: write what it captured now
+            self.in_flight = (step, self.writer.write(self.ckpt_dir / tag), started, None)
+            self.poll(wait=True)
+        else:
+            dist.barrier()
+            commit(self.ckpt_dir, step, self.keep, self.layout, self.ds_config, time.perf_counter() - started)
+            dist.barrier()
+            self.last_saved = step
+            self.committed.append({"step": step, "bytes": None, "write_s": time.perf_counter() - started,
+                                   "stall_s": None, "background": False})
+        seconds = time.perf_counter() - started
+        if self.committed and self.committed[-1]["step"] == step:
+            self.committed[-1]["stall_s"] = seconds
+        return self.ckpt_dir / tag, seconds
+
+    def take_committed(self) -> list[dict]:
+        """What each commit since the previous call wrote ({step, bytes, write_s, stall_s, background}), once."""
+        committed, self.committed = self.committed, []
+        return committed
+
+    def poll(self, wait: bool = False) -> bool:
+        """Commits the save in flight once every rank's writes of it are durable (wait: waits for that), and
+        returns whether it committed one (take_committed says what it wrote)."""
+        if self.in_flight is None:
+            return False
+        step, future, started, stall = self.in_flight
+        if wait:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - reported below, on every rank
+                pass
+        error = future.exception() if future.done() else None
+        state = torch.tensor([(-1 if error else 1) if future.done() else 0], dtype=torch.int32,
+                             device=self.engine.device)
+        dist.all_reduce(state, op=dist.ReduceOp.MIN)
+        if state.item() == 0:
+            return False
+        self.in_flight = None
+        if state.item() < 0:
+            tag = tag_for(step)
+            raise CheckpointError(disk_error(self.ckpt_dir, tag, error) if error else
+                                  f"checkpoint {self.ckpt_dir / tag}: writing it failed on another rank (that rank's "
+                                  "line says why); nothing of it is resumed from")
+        write_s = time.perf_counter() - started
+        commit(self.ckpt_dir, step, self.keep, self.layout, self.ds_config, write_s)
         self.last_saved = step
-        return self.ckpt_dir / tag, time.perf_counter() - started
+        self.committed.append({"step": step, "bytes": future.result(), "write_s": write_s, "stall_s": stall,
+                               "background": stall is not None})
+        return True
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:
@@ -341,6 +505,6 @@ def prune(ckpt_dir: Path, keep: int) -> None:
         else:
             shutil.rmtree(tag_dir, ignore_errors=True)
     universal = ckpt_dir / UNIVERSAL_DIR
-    for copy in universal.iterdir() if universal.is_dir() else []:
-        if copy.is_dir() and not (ckpt_dir / copy.name.lstrip(".").removesuffix(".tmp")).is_dir():
-            shutil.rmtree(copy, ignore_errors=True)
+    for converted in universal.iterdir() if universal.is_dir() else []:
+        if converted.is_dir() and not (ckpt_dir / converted.name.lstrip(".").removesuffix(".tmp")).is_dir():
+            shutil.rmtree(converted, ignore_errors=True)

@@ -64,6 +64,10 @@ class TrainConfig:
     log_every: int = doc("Log one line on rank 0 every this many steps.", 10)
     checkpoint_every: int = doc("Save a checkpoint every this many steps (0: only at the end).", 0)
     keep_checkpoints: int = doc("Complete checkpoints to keep; older ones are deleted.", 3)
+    checkpoint_background: bool = doc("Save in the background: the steps wait only while the state is copied into "
+                                      "host memory (as much as this rank's part of a checkpoint), a thread writes "
+                                      "it, and the checkpoint counts once every rank's copy is durable. false: the "
+                                      "steps wait for the write.", True)
     seed: int = doc("Seed of the model initialisation.", 0)
     reset_optimizer: bool = doc("On resume, load the model weights, step and data position only: optimizer and "
                                 "lr-scheduler state start afresh from the ds_config (to change the optimizer type, the "
@@ -101,6 +105,18 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"command line: {message}")
 
 
+def _boolean(text: str) -> bool:
+    """A flag's true or false (argparse's bool() would take any non-empty word, "false" included, as true)."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
+_boolean.__name__ = "boolean"  # argparse names the type in its one-line error: "invalid boolean value: 'x'"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m train", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -112,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(f.type):
                 continue
-            group.add_argument(_flag(prefix, f.name), dest=prefix + f.name, type=f.type, default=None,
+            group.add_argument(_flag(prefix, f.name), dest=prefix + f.name, default=None,
+                               type=_boolean if f.type is bool else f.type,
                                help=f"{f.metadata['help']} (default: {f.default!r})")
     return parser
 

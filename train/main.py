@@ -206,7 +206,7 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
     start_step, position = resume(engine, cfg, inputs, rank, layout)
     report.resumed(start_step)
     saver = checkpoint.Checkpointer(engine, ckpt_dir, cfg.checkpoint_every, cfg.keep_checkpoints, layout,
-                                    inputs.ds_config, start_step) if ckpt_dir else None
+                                    inputs.ds_config, start_step, cfg.checkpoint_background) if ckpt_dir else None
     # A rank's own compute in a step: until its first collective. Not for pipeline stages, which wait for each
     # other's activations from the start of a step.
     clock = FirstCollectiveClock() if cfg.model.pipeline_stages == 1 else None
@@ -222,6 +222,10 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
                            stopping=stopping) if saver else None
         if saved:
             report.saved(step, *saved, stopping)
+        elif saver:
+            saver.poll()  # a background save: committed once every rank's writes are durable
+        for committed in saver.take_committed() if saver else []:
+            report.committed(committed)
         if stopping:
             logger.warning(f"SIGTERM: stopped at step {step}" + (f", checkpoint at step {saver.last_saved}"
                                                                   if saver else ""))

@@ -170,13 +170,25 @@ class RunReport:
         if self.progress.step(step, loss, lr, force=stopping) and self.run.rank == 0:
             rankstate.publish(**goodput_fields(self.goodput.job()))
 
-    def saved(self, step: int, tag: str, seconds: float, stopping: bool) -> None:
-        self.progress.pause(seconds)
-        self.logger.info(f"saved checkpoint {tag} in {seconds:.1f}s")
-        rankstate.publish(checkpoint_step=step, checkpoint_save_s=round(seconds, 3))
-        self.goodput.saved(step, seconds)
+    def saved(self, step: int, tag_dir, stall: float, stopping: bool) -> None:
+        """A save at `step`: the step loop waited `stall` seconds (all of it, unless it is written in the
+        background, which committed() reports)."""
+        self.progress.pause(stall)
+        rankstate.publish(checkpoint_save_s=round(stall, 3))
+        self.goodput.saved(step, stall)
         if not stopping:
             rankstate.beat(step)  # back from `saving`: the next step's budget starts now
+
+    def committed(self, committed: dict) -> None:
+        """A checkpoint every rank can resume from: its commit record is written."""
+        tag, write_s, size = checkpoint.tag_for(committed["step"]), committed["write_s"], committed["bytes"]
+        if not committed["background"]:
+            self.logger.info(f"saved checkpoint {tag} in {write_s:.1f}s")
+        else:
+            self.logger.info(f"saved checkpoint {tag} in {write_s:.1f}s in the background ({size / 1e6:,.1f} MB on "
+                             f"this rank, {size / 1e6 / max(write_s, 1e-6):,.0f} MB/s; the steps waited "
+                             f"{committed['stall_s'] or 0:.2f}s)")
+        rankstate.publish(checkpoint_step=committed["step"], checkpoint_write_s=round(write_s, 3))
 
     def end(self, status: int) -> None:
         """After the last step (or the stop): metrics.json, the done line and the job's goodput; on every rank."""

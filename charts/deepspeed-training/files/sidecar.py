@@ -293,7 +293,10 @@ METRICS = (
     ("mfu_ratio", "", "model FLOPs utilisation over the last logged interval", "node rank 0", "mfu"),
     ("eta_seconds", "", "seconds left at the recent pace", "node rank 0", "eta_s"),
     ("checkpoint_step", "", "the step of the last complete checkpoint", "node rank 0", "checkpoint_step"),
-    ("checkpoint_save_seconds", "", "seconds the last checkpoint save took", "node rank 0", "checkpoint_save_s"),
+    ("checkpoint_save_seconds", "", "seconds the steps waited for the last checkpoint save (a background save: "
+     "while the state was copied)", "node rank 0", "checkpoint_save_s"),
+    ("checkpoint_write_seconds", "", "seconds from the last committed checkpoint's save to its commit (written, "
+     "durable on every rank)", "node rank 0", "checkpoint_write_s"),
     ("progress_age_seconds", "", "seconds since rank 0 last reported", "node rank 0", "time"),
     ("goodput_seconds", "bucket", "the job's wall time so far, by where it went (all attempts; bucket wall is the "
      "whole)", "node rank 0", "goodput"),
