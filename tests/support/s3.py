@@ -25,11 +25,20 @@ def unavailable() -> str | None:
     return None
 
 
+SESSION_ENV = "DS_TEST_S3_SESSION"  # the pytest session (or bench) that started the gateway
+STARTED_BY = STATE / "started-by"
+
+
+def claim_session() -> None:
+    os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+
+
 def up() -> dict[str, str]:
     """The running gateway's env file as a dict (AWS_ENDPOINT_URL, the keys, LOCAL_S3_ENDPOINT_FOR_PODS, ...)."""
     LOCK.parent.mkdir(parents=True, exist_ok=True)
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        running = (STATE / "env").is_file()
         proc = subprocess.run(["bash", str(SCRIPT), "up", str(STATE)], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0 and STATE.exists():
             # The state of a gateway that did not stop cleanly (a killed run): clear it and start afresh once.
@@ -38,6 +47,8 @@ def up() -> dict[str, str]:
                                   timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"local-s3.sh up failed: {proc.stderr[-2000:]}")
+        if not running or not STARTED_BY.is_file():
+            STARTED_BY.write_text(os.environ.get(SESSION_ENV, ""))
     env = {}
     for line in (STATE / "env").read_text().splitlines():
         key, _, value = line.partition("=")
@@ -45,9 +56,15 @@ def up() -> dict[str, str]:
     return env
 
 
-def down() -> None:
+def down(only_if_started_by_this_session: bool = False) -> None:
     if not STATE.exists():
         return
+    if only_if_started_by_this_session:
+        try:
+            if STARTED_BY.read_text() != os.environ.get(SESSION_ENV):
+                return
+        except OSError:
+            return
     subprocess.run(["bash", str(SCRIPT), "down", str(STATE)], capture_output=True, timeout=120)
     if STATE.exists():
         # local-s3.sh's down stops at a pid file whose daemon is already gone (set -e on the failed kill): stop what
