@@ -161,6 +161,12 @@ def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended
     assert sidecar.summary({**rank0, **fields}) == (
         "training | step 120/300 (40.0%) | loss 0.4064 | 6,100 tokens/s | mfu 41.2% | eta 0:00:18 | checkpoint at "
         "step 100 | attempt 2 (1 of 2 failures used, 0 preemptions) | attempt 1 ended with status 1")
+    # With a bucket: node 0's uploader says where the bucket stands and how far it is behind the volume.
+    uploads = sidecar.upload_fields({"committed_step": 80, "lag_steps": 20, "error": "x"})
+    assert uploads == {"bucketStep": "80", "uploadLagSteps": "20"}
+    assert "| checkpoint at step 100 | bucket at step 80 (20 steps behind) |" in sidecar.summary(
+        {**rank0, **uploads, **fields})
+    assert sidecar.upload_fields({"committed_step": None, "lag_steps": "1e999"}) == {}
     stale = {**rank0, "progressTime": f"{verdict['time'] - 5:.3f}"}  # rank 0's last word was of attempt 1
     assert sidecar.job_fields(verdict, stale)["state"] == "starting"
     ledger(state_dir, "end 0", tmp=tmp_path, **second)

@@ -47,7 +47,7 @@ API_TIMEOUT = (3, 10)  # connect, read: a stuck API call must not hold the loop,
 FINAL_TRIES = 20  # after SIGTERM, 0.5 s apart: a slow API must not lose the last word
 METRIC = "deepspeed_training"
 PROGRESS_KEYS = ("progressState", "step", "steps", "percent", "loss", "lr", "tokensPerSecond", "mfu", "eta",
-                 "checkpointStep", "goodput", "progressTime")
+                 "checkpointStep", "bucketStep", "uploadLagSteps", "goodput", "progressTime")
 JOB_KEYS = ("state", "reason", "culprit", "attempt", "failuresUsed", "failureBudget", "preemptions", "run",
             "updated", "summary")
 NUMBERS = {"step": ("step", "{:.0f}"), "steps": ("steps", "{:.0f}"), "loss": ("loss", "{:.4f}"), "lr": ("lr", "{:.3e}"),
@@ -89,6 +89,16 @@ def progress_fields(progress: dict) -> dict[str, str]:
     return out
 
 
+def upload_fields(status: dict | None) -> dict[str, str]:
+    """The ConfigMap's keys for the bucket (node 0's uploader, objectstore.Uploader.status): the newest step
+    committed there and how many steps the newest local checkpoint is ahead of it."""
+    out = {}
+    for key, name in (("committed_step", "bucketStep"), ("lag_steps", "uploadLagSteps")):
+        if status and (value := podstate.number(status.get(key))) is not None and 0 <= value < 1e15:
+            out[name] = f"{value:.0f}"
+    return out
+
+
 def job_fields(verdict: dict, rank0: dict[str, str]) -> dict[str, str]:
     """The ConfigMap's keys for the job (JOB_KEYS but updated and summary): the ledger's verdict, its state
     refined by rank 0's while an attempt runs (rank 0's report is newer than the attempt's start)."""
@@ -122,6 +132,9 @@ def summary(data: dict[str, str]) -> str:
         parts.append(f"{tokens:,.0f} tokens/s")
     parts += [f"{label} {data[key]}" for key, label in (("mfu", "mfu"), ("eta", "eta"),
                                                         ("checkpointStep", "checkpoint at step")) if key in data]
+    if "bucketStep" in data:
+        parts.append(f"bucket at step {data['bucketStep']}" + (f" ({data['uploadLagSteps']} steps behind)" if
+                                                                data.get("uploadLagSteps", "0") != "0" else ""))
     if data.get("goodput"):
         parts.append(data["goodput"].split(" | ")[0])  # "goodput 91.2%"
     if "attempt" in data:
@@ -252,8 +265,8 @@ class ScaleDown:
 class Publisher:
     """What this pod writes: rank 0's progress (`progress`), the job's record (`job`), or nothing."""
 
-    def __init__(self, pod: Pod, api: Api | None, name: str, progress: bool, job: bool):
-        self.pod, self.progress, self.job = pod, progress, job
+    def __init__(self, pod: Pod, api: Api | None, name: str, progress: bool, job: bool, uploads: dict | None = None):
+        self.pod, self.progress, self.job, self.uploads = pod, progress, job, uploads
         self.progress_writer = Writer(api, name, PROGRESS_KEYS) if api and progress else None
         self.job_writer = Writer(api, name, JOB_KEYS) if api and job else None
         self.rank0: dict[str, str] = {}  # rank 0's keys as the ConfigMap (or this pod) has them
@@ -262,7 +275,8 @@ class Publisher:
     def step(self, final: bool = False) -> bool:
         """One look and the patches it calls for; False while something is left to write."""
         done = True
-        local = progress_fields(self.pod.record(podstate.PROGRESS) or {}) if self.progress else {}
+        local = {**progress_fields(self.pod.record(podstate.PROGRESS) or {}),
+                 **upload_fields(self.uploads)} if self.progress else {}
         if self.progress_writer:
             done &= self.progress_writer.write(local, urgent=final)
         if self.job_writer:
@@ -462,12 +476,14 @@ def main(argv: list[str]) -> int:
         else:
             log(", ".join(wanted) + (" once the job is done" if args.scale_down else ""))
     write_job_id(pod, api, args.configmap)
-    publisher = Publisher(pod, api, args.configmap or "", progress, job)
+    publisher = Publisher(pod, api, args.configmap or "", progress, job, uploader and uploader.status)
     if api and args.scale_down:
         scale_down = ScaleDown(api, args.scale_down, pod)
     final_tries = FINAL_TRIES
     while True:
         final = bool(stopping)
+        if uploader:  # the newest local checkpoint, even while an upload waits on a store that is away
+            uploader.update_lag()
         done = publisher.step(final)
         if scale_down:
             scale_down.run()
