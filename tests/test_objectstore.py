@@ -190,6 +190,40 @@ def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the
     assert {t: e["committed"] for t, e in keep1.bucket_tags().items()} == {"step_00000040": True}
 
 
+def test_a_tag_deleted_while_it_uploads_is_never_committed_and_the_next_one_goes_up(gateway, tmp_path):
+    """A program's own rotation (a Trainer's save_total_limit) deletes the tag the sidecar is uploading: the files
+    not yet read are gone, and the part is neither recorded nor committed; the newer tag goes up whole."""
+    bucket = s3.new_bucket(gateway)
+    directory = tmp_path / "ckpt"
+    doomed = directory / "checkpoint-100"
+    doomed.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.pt"):
+        with open(doomed / name, "wb") as f:
+            f.truncate(16 * PART)  # the first one read takes long enough to delete the tag before the second
+    (doomed / "trainer_state.json").write_text('{"global_step": 100}')
+    env = {"PATH": os.environ["PATH"], **s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory))}
+    uploader = subprocess.Popen([sys.executable, "-I", "-c", (
+        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import objectstore; "
+        "objectstore.Uploader(objectstore.Settings()).step()")], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: uploader.poll() is not None or any(read_so_far(uploader.pid, doomed / name) > PART
+                                                        for name in ("model.safetensors", "optimizer.pt")),
+             60, "the upload of checkpoint-100 to be under way")
+    shutil.rmtree(doomed)  # the rotation, mid-upload
+    out, _ = uploader.communicate(timeout=120)
+    assert uploader.returncode == 0, out
+    assert "checkpoint-100: " in out and "went away while it was uploading: not committed" in out, out
+    names = {o.object_name for o in s3.client(gateway).list_objects(bucket, prefix="ml/job/", recursive=True)}
+    assert not any(n.endswith(("0.json", "committed.json")) for n in names), names
+    newer = directory / "checkpoint-200"
+    newer.mkdir()
+    (newer / "model.safetensors").write_bytes(b"weights")
+    (newer / "trainer_state.json").write_text('{"global_step": 200}')
+    objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)))).step()
+    restored = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
+    assert "restored checkpoint-200 from the bucket" in restored.stdout, restored.stdout + restored.stderr
+
+
 def test_links_fifos_and_devices_planted_in_a_checkpoint_are_neither_followed_nor_uploaded(gateway, tmp_path):
     bucket = s3.new_bucket(gateway)
     directory = tmp_path / "ckpt"

@@ -61,6 +61,10 @@ def log(message: str) -> None:
     print(f"objectstore: {message}", file=sys.stderr, flush=True)
 
 
+class TagChanged(Exception):
+    """A tag that changed while it was uploading (files gone, resized): its part is not recorded."""
+
+
 class StoreError(Exception):
     """The bucket cannot be used as configured: one line naming the chart value."""
 
@@ -197,6 +201,12 @@ class Uploader:
             self.status["lag_steps"] = self.status["local_step"] - (reference or 0)
 
     def upload_newest(self) -> None:
+        try:
+            self.upload_tag()
+        except TagChanged as err:
+            log(f"{err}: not committed; the newest complete tag goes up next")
+
+    def upload_tag(self) -> None:
         local = tags.complete_tags(self.settings.checkpoint_dir)
         if not local or local[0] == self.uploaded:
             return
@@ -207,15 +217,24 @@ class Uploader:
             self.status["uploaded_step"] = tags.step_of(tag)
             return
         started, sent = time.monotonic(), 0
-        root_fd = os.open(self.settings.checkpoint_dir / tag, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            root_fd = os.open(self.settings.checkpoint_dir / tag, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise TagChanged(f"{tag}: gone before its upload began") from None
         try:
             files = {}
-            for relpath, _ in tags.files_of(self.settings.checkpoint_dir / tag).items():
+            for relpath, listed in tags.files_of(self.settings.checkpoint_dir / tag).items():
+                # Only regular files are listed (a link or a FIFO never is). One that is gone or no longer regular
+                # when its turn comes, or of another size, means the tag changed under the upload (a program's
+                # rotation deleted it, a retry rewrote it): that tag is never committed.
                 fd = open_under(root_fd, relpath)
                 if fd is None:
-                    continue  # a link, a FIFO, or gone: not uploaded
+                    raise TagChanged(f"{tag}: {relpath} went away while it was uploading")
                 with os.fdopen(fd, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
+                    if size != listed:
+                        raise TagChanged(f"{tag}: {relpath} changed size while it was uploading ({listed} -> "
+                                         f"{size} bytes)")
                     self.store.put_object(self.settings.bucket, self.key("checkpoints", tag, "parts",
                                                                           str(self.settings.node), relpath),
                                           f, length=size, part_size=PART_SIZE, num_parallel_uploads=PARALLEL)
