@@ -162,6 +162,10 @@ test-image-cuda: ## Build the CUDA image and its Hugging Face layer with podman 
 test-cluster: ## The cluster tier on a real Kubernetes: the local one-node cluster of ../shared/k8s (root), or KUBECONFIG + DS_IMAGE.
 	bash scripts/test-cluster.sh
 
+.PHONY: drill-objectstore
+drill-objectstore: ## The object store's long drills (not in CI): 20 uploads killed mid-tag, a resume from the bucket on another world size, the gateway frozen 60 s (root).
+	DS_DRILLS=objectstore MEMSTORE_BYTES=$$((6 << 30)) pytest tests/drills -v -s
+
 .PHONY: lint
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done
