@@ -438,14 +438,13 @@ class Checkpointer:
         rankstate.report("stopping" if stopping else "saving", step)  # a long save is not a hang
         started = time.perf_counter()
         self.poll(wait=True)  # the save in flight first: one at a time
-        background = self.writer is not None and not (stopping or last_step)
-        tag = save(self.engine, self.ckpt_dir, step, client_state, self.writer if background else None)
-        if background:
-            stall = time.perf_counter() - started
+        tag = save(self.engine, self.ckpt_dir, step, client_state, self.writer)
+        if self.writer is not None:
+            background = not (stopping or last_step)  # the last word waits for its write
+            stall = time.perf_counter() - started if background else None
             self.in_flight = (step, self.writer.write(self.ckpt_dir / tag), started, stall)
-            return self.ckpt_dir / tag, stall
-        if self.writer is not None:  # DeepSpeed saved through the snapshot engine: write what it captured now
-            self.in_flight = (step, self.writer.write(self.ckpt_dir / tag), started, None)
+            if background:
+                return self.ckpt_dir / tag, stall
             self.poll(wait=True)
         else:
             dist.barrier()
