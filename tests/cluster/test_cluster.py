@@ -126,11 +126,12 @@ def worker_exec(namespace: str, ordinal: int, *argv: str, check: bool = True) ->
 
 
 @pytest.fixture
-def namespace(namespace_factory_function_scope):
-    name = namespace_factory_function_scope(f"ds-{uuid.uuid4().hex[:8]}").metadata["name"]
+def namespace(namespace_factory):
+    """A namespace of the test's own. pytest-helm-charts' module-scoped factory deletes them all at the module's
+    end and waits for them together (the namespace controller takes 6-11 s for each: one wait, not ten); the ended
+    test's ranks go at once instead of keeping the node's 2 CPUs busy."""
+    name = namespace_factory(f"ds-{uuid.uuid4().hex[:8]}").metadata["name"]
     yield name
-    # pytest-helm-charts then deletes the namespace and waits until it is gone (about 11 s, the namespace
-    # controller's own time); the ended test's ranks go at once instead of keeping the node's 2 CPUs busy.
     kubectl("delete", "statefulsets,jobs,pods", "--all", "--grace-period=0", "--force", "--wait=false",
             namespace=name, check=False)
 
