@@ -110,6 +110,36 @@ def test_every_workers_part_then_the_commit_and_a_job_that_lost_every_volume_res
         assert losses[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
 
 
+def test_ssh_a_new_launcher_pod_restores_the_ledger_and_the_job_goes_on_with_the_budget_it_had(gateway, tmp_path):
+    """launchMode ssh without a shared claim: the ledger lives in the launcher pod's /tmp, and its sidecar (role
+    launcher) uploads it. One attempt failed, the next was stopped by the pod's deletion (a preemption); the new
+    launcher pod's restore puts the ledger back (and no checkpoint: the launcher keeps none), and its next attempt
+    counts on from there."""
+    bucket = s3.new_bucket(gateway)
+    attempts_py = CHART / "files" / "attempts.py"
+
+    def attempts(pod: Path, *command: str, **env: str) -> subprocess.CompletedProcess:
+        base = {"PATH": os.environ["PATH"], podstate.STATE_DIR_ENV: str(pod / "ranks"), "DS_RUN_RETRIES": "2",
+                "DS_ATTEMPTS_DIR": str(pod / "attempts"), "DS_JOB_UID": "abcdef12"}
+        (pod / "ranks").mkdir(parents=True, exist_ok=True)
+        return subprocess.run([sys.executable, str(attempts_py), *command], env={**base, **env}, check=True,
+                              capture_output=True, text=True)
+
+    def launcher_env(pod: Path) -> dict:
+        return s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(pod / "checkpoints"),
+                            DS_OBJECT_STORE_ROLE="launcher", DS_ATTEMPTS_DIR=str(pod / "attempts"))
+
+    old, new = tmp_path / "launcher-old", tmp_path / "launcher-new"
+    attempts(old, "end", "1", **dict(line.split("=", 1) for line in attempts(old, "begin").stdout.splitlines()))
+    second = dict(line.split("=", 1) for line in attempts(old, "begin").stdout.splitlines())
+    attempts(old, "stopped", **second)  # the pod deleted mid-attempt
+    objectstore.Uploader(settings(launcher_env(old))).step()
+    restored = run_script("restore", launcher_env(new))
+    assert restored.returncode == 0 and "restored the job's attempts records" in restored.stdout, restored
+    assert "restored step_" not in restored.stdout and not (new / "checkpoints").exists()
+    assert "attempt 3 (1 of 2 failures used, 1 preemption)" in attempts(new, "begin").stderr
+
+
 def test_a_shared_claim_restores_every_part_into_one_directory_with_one_commit(gateway, trained, tmp_path):
     """A tag written on per-worker volumes, restored onto a shared claim (node 0 alone restores there): every
     worker's files and one commit.json that lists them all, as a shared directory's would."""
