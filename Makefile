@@ -164,7 +164,8 @@ test-cluster: ## The cluster tier on a real Kubernetes: the local one-node clust
 
 .PHONY: drill-objectstore
 drill-objectstore: ## The object store's long drills (not in CI): 20 uploads killed mid-tag, a resume from the bucket on another world size, the gateway frozen 60 s (root).
-	DS_DRILLS=objectstore MEMSTORE_BYTES=$$((6 << 30)) pytest tests/drills -v -s
+	DS_DRILLS=objectstore MEMSTORE_BYTES=$$((6 << 30)) pytest tests/drills \
+	  tests/e2e/test_byo_programs.py::test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods -v -s
 
 .PHONY: lint
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.

@@ -7,13 +7,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from scripts.jinja_render import render as render_template
 from tests.support.chart import ROOT
-from tests.support.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, e2e_values, render
+from tests.support.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, UID, e2e_values, render
 from tests.support.harness import Cluster, wait, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -173,3 +174,62 @@ def test_a_script_gets_the_charts_paths_through_placeholders(shared_dir):
                "--save_dir=/checkpoints/run1 --steps=10" in log
         assert "ds_argparse: saved /checkpoints/run1/step10" in log
         assert (cluster.checkpoint_dir() / "run1" / "step10").is_dir()
+
+
+@pytest.mark.skipif("objectstore" not in os.environ.get("DS_DRILLS", ""),
+                    reason="a long drill: `make drill-objectstore` runs it (DS_DRILLS=objectstore)")
+def test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods(shared_dir, tmp_path):
+    """The Trainer example on the default storage (a volume per worker pod) with no change to the program: each
+    worker's part of its newest checkpoint goes to the bucket (the sidecar's Uploader, per worker, node 0 commits),
+    every pod and volume is lost, and the next deployment's pods start with empty volumes, which their restore step
+    (files/objectstore.py restore, as the pods' user) fills from the bucket before the ranks start: the Trainer
+    resumes from checkpoint-10."""
+    from tests.support import s3  # noqa: PLC0415
+
+    if s3.unavailable():
+        pytest.skip(s3.unavailable())
+    gateway = s3.up()
+    bucket = s3.new_bucket(gateway)
+    script = ROOT / "charts" / "deepspeed-training" / "files" / "objectstore.py"
+
+    def store_env(volume, node) -> dict:
+        return {"PATH": os.environ["PATH"], **s3.store_env(
+            gateway, bucket, DS_CHECKPOINT_DIR=str(volume), DS_CHECKPOINT_STORAGE="per-worker",
+            DS_NODE_RANK=str(node), DS_WORKERS="2", DS_OBJECT_STORE_ROLE="worker")}
+
+    def hf_values(max_steps):
+        values = program_values(shared_dir, script=str(ROOT / "examples" / "hf_trainer.py"),
+                                argsConvention="huggingface", fillsDsConfigAuto=True,
+                                args=[*HF_ARGS, f"--max_steps={max_steps}"])
+        values["deepspeed"]["config"] = hf_ds_config()
+        del values["checkpoints"]
+        return values
+
+    uploads = "import sys, objectstore; u = objectstore.Uploader(objectstore.Settings()); u.step(); u.step()"
+    with Cluster(render(hf_values(10))) as cluster:
+        code, log = cluster.run_launcher(timeout=300)
+        assert code == 0, log[-5000:]
+        volumes = [cluster.checkpoint_dir(w) for w in cluster.pods_of("worker")]
+        for node in (1, 0):  # node 0 last: it commits once every part is there
+            done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, "
+                                   f"{str(script.parent)!r}); {uploads}"], env=store_env(volumes[node], node),
+                                  capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0 and "uploaded checkpoint-10" in done.stderr, done.stdout + done.stderr
+        assert "committed checkpoint-10 in the bucket (2 part(s))" in done.stderr, done.stderr
+    with Cluster(render(hf_values(20))) as cluster:
+        workers = cluster.start_workers()
+        for node, worker in enumerate(workers):
+            volume = cluster.checkpoint_dir(worker)
+            assert not any(volume.iterdir()), sorted(volume.iterdir())  # a fresh pod's volume
+            restored = subprocess.run([sys.executable, "-I", str(script), "restore"], env=store_env(volume, node),
+                                      user=UID, capture_output=True, text=True, timeout=300)
+            assert restored.returncode == 0, restored.stderr
+            assert f"restored checkpoint-10 from the bucket into {volume / 'checkpoint-10'} (node {node}'s part" \
+                in restored.stdout, restored.stdout
+        code = wait(cluster.start(cluster.pods_of("launcher")[0]), timeout=300)
+        log = cluster.pods_of("launcher")[0].log()
+    assert code == 0, log[-5000:]
+    assert "hf_trainer: resuming from /checkpoints/checkpoint-10" in log, log[-5000:]
+    assert "hf_trainer: done at global step 20" in log, log[-3000:]
+    print("\n| the Trainer example, every pod and volume lost | restored checkpoint-10 from the bucket on both workers "
+          "| resumed there, done at global step 20 |")
