@@ -1,5 +1,7 @@
 """Session-wide clean-up: ranks that tests kill on purpose cannot release DeepSpeed's /dev/shm buffers."""
 
+import threading
+
 import pytest
 
 from tests.support import ports
@@ -20,6 +22,17 @@ def pytest_configure(config):
         from tests.support import s3
 
         s3.claim_session()
+        if config.args_source == pytest.Config.ArgsSource.TESTPATHS and s3.unavailable() is None:
+            # The whole suite: the gateway starts (15-25 s) while the first tests run, not when the first test that
+            # needs it does (its up() then waits on the lock, or finds it running).
+            threading.Thread(target=_start_early, args=(s3,), daemon=True, name="s3-up").start()
+
+
+def _start_early(s3) -> None:
+    try:
+        s3.up()
+    except Exception:  # noqa: BLE001 - the first test that needs it starts it again and reports why it cannot
+        pass
 
 
 def pytest_sessionfinish(session):
