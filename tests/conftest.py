@@ -9,6 +9,15 @@ from tests.support.glue_tree import tree  # noqa: F401  (the fixture, for every 
 from tests.support.shm import release_shm_buffers
 
 
+@pytest.fixture(scope="session")
+def trained_on_worker_volumes(tmp_path_factory):
+    """One run of train_run.train_on_worker_volumes for every test of the session (pytest-xdist worker) that reads
+    it: the per-worker storage tests and the object store's."""
+    from tests.support.train_run import train_on_worker_volumes
+
+    return train_on_worker_volumes(tmp_path_factory.mktemp("worker-volumes"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def release_leftover_shm_buffers():
     yield

@@ -6,26 +6,12 @@ import shutil
 
 import pytest
 
-from tests.support.train_run import cpu_ds_config, metrics, run_per_worker, write_ds_config
+from tests.support.train_run import TINY, metrics, run_per_worker
 from train import checkpoint
 
-TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
 
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """16 steps in one run on two workers' volumes (ZeRO-2, checkpoints every 4; 8, 12, 16 kept)."""
-    tmp = tmp_path_factory.mktemp("per-worker")
-    ds_config = write_ds_config(tmp, cpu_ds_config(stage=2, micro=2, accum=2,
-                                                   checkpoint={"use_node_local_storage": True}))
-    dirs = [tmp / "worker-0", tmp / "worker-1"]
-    result = run_per_worker(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4", *TINY], dirs)
-    assert result.returncode == 0, result.stdout[-4000:]
-    return ds_config, dirs
-
-
-def test_each_worker_commits_the_part_its_volume_holds(reference):
-    _, (first, second) = reference
+def test_each_worker_commits_the_part_its_volume_holds(trained_on_worker_volumes):
+    _, (first, second) = trained_on_worker_volumes
     for rank, directory in enumerate((first, second)):
         manifest = checkpoint.read_manifest(directory / "step_00000016")
         assert manifest["storage"] == checkpoint.PER_WORKER and manifest["world_size"] == 2
@@ -39,8 +25,8 @@ def test_each_worker_commits_the_part_its_volume_holds(reference):
             "step_00000016", "step_00000012", "step_00000008"]
 
 
-def test_a_resume_reads_each_workers_own_volume_and_continues_with_the_same_losses(tmp_path, reference):
-    ds_config, reference_dirs = reference
+def test_a_resume_reads_each_workers_own_volume_and_continues_with_the_same_losses(tmp_path, trained_on_worker_volumes):
+    ds_config, reference_dirs = trained_on_worker_volumes
     dirs = [tmp_path / "worker-0", tmp_path / "worker-1"]
     common = ["--ds-config", str(ds_config), "--checkpoint-every", "4", *TINY]
     first = run_per_worker([*common, "--steps", "8"], dirs)
@@ -54,11 +40,12 @@ def test_a_resume_reads_each_workers_own_volume_and_continues_with_the_same_loss
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
 
 
-def test_a_tag_one_worker_did_not_commit_is_skipped_and_a_lost_volume_stops_the_job(tmp_path, reference):
+def test_a_tag_one_worker_did_not_commit_is_skipped_and_a_lost_volume_stops_the_job(
+        tmp_path, trained_on_worker_volumes):
     """A crash between two workers' commits leaves a tag committed on one volume only: no rank resumes from it.
     A worker whose volume is gone (a new pod, a new node) cannot resume its part: the job stops, exit 2, saying
     so, instead of training from step 0 or from a checkpoint only some ranks have."""
-    ds_config, reference_dirs = reference
+    ds_config, reference_dirs = trained_on_worker_volumes
     dirs = [tmp_path / "worker-0", tmp_path / "worker-1"]
     for source, target in zip(reference_dirs, dirs, strict=True):
         shutil.copytree(source, target)

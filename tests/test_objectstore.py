@@ -21,13 +21,12 @@ from tests.support import s3
 from tests.support.chart import CHART, pod_script
 from tests.support.harness import wait_for
 from tests.support.ports import free_port
-from tests.support.train_run import cpu_ds_config, metrics, run_per_worker, write_ds_config
+from tests.support.train_run import TINY, metrics, run_per_worker
 from train import checkpoint, podstate
 
 pytestmark = pytest.mark.skipif(s3.unavailable() is not None, reason=s3.unavailable() or "")
 objectstore = pod_script("objectstore")
 SCRIPT = CHART / "files" / "objectstore.py"
-TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +49,9 @@ def run_script(command: str, env: dict, timeout: float = 120) -> subprocess.Comp
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """16 steps on two workers' own volumes (ZeRO-2, checkpoints every 4: 8, 12 and 16 kept)."""
-    tmp = tmp_path_factory.mktemp("trained")
-    ds_config = write_ds_config(tmp, cpu_ds_config(stage=2, micro=2, accum=2,
-                                                   checkpoint={"use_node_local_storage": True}))
-    dirs = [tmp / "worker-0", tmp / "worker-1"]
-    result = run_per_worker(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4", *TINY], dirs)
-    assert result.returncode == 0, result.stdout[-4000:]
-    return ds_config, dirs
-
-
 def test_every_workers_part_then_the_commit_and_a_job_that_lost_every_volume_resumes_from_the_bucket(
-        gateway, trained, tmp_path):
-    ds_config, reference = trained
+        gateway, trained_on_worker_volumes, tmp_path):
+    ds_config, reference = trained_on_worker_volumes
     bucket = s3.new_bucket(gateway)
     dirs = [tmp_path / "worker-0", tmp_path / "worker-1"]
     common = ["--ds-config", str(ds_config), "--checkpoint-every", "4", *TINY]
@@ -140,10 +127,11 @@ def test_ssh_a_new_launcher_pod_restores_the_ledger_and_the_job_goes_on_with_the
     assert "attempt 3 (1 of 2 failures used, 1 preemption)" in attempts(new, "begin").stderr
 
 
-def test_a_shared_claim_restores_every_part_into_one_directory_with_one_commit(gateway, trained, tmp_path):
+def test_a_shared_claim_restores_every_part_into_one_directory_with_one_commit(gateway, trained_on_worker_volumes,
+                                                                                 tmp_path):
     """A tag written on per-worker volumes, restored onto a shared claim (node 0 alone restores there): every
     worker's files and one commit.json that lists them all, as a shared directory's would."""
-    _, reference = trained
+    _, reference = trained_on_worker_volumes
     bucket = s3.new_bucket(gateway)
     uploaders = [objectstore.Uploader(settings(worker_env(gateway, bucket, d, n))) for n, d in enumerate(reference)]
     for uploader in (*uploaders, uploaders[0]):

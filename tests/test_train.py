@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.harness import wait_for
 from tests.support.train_run import (
+    TINY,
     Ranks,
     cpu_ds_config,
     launch,
@@ -24,8 +25,6 @@ from tests.support.train_run import (
     write_ds_config,
 )
 from train import checkpoint
-
-TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
 
 
 def losses(ckpt_dir) -> dict[int, float]:

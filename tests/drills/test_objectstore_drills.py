@@ -21,14 +21,13 @@ from tests.support import s3
 from tests.support.chart import CHART
 from tests.support.harness import wait_for
 from tests.support.ports import free_port
-from tests.support.train_run import cpu_ds_config, launch, metrics, run_per_worker, run_train, write_ds_config
+from tests.support.train_run import TINY, cpu_ds_config, launch, metrics, run_per_worker, run_train, write_ds_config
 from train import checkpoint, podstate, tags
 
 pytestmark = pytest.mark.skipif(
     "objectstore" not in os.environ.get("DS_DRILLS", "") or s3.unavailable() is not None,
     reason=s3.unavailable() or "a long drill: `make drill-objectstore` runs it (DS_DRILLS=objectstore)")
 SCRIPT = CHART / "files" / "objectstore.py"
-TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
 PART = 16 << 20  # objectstore.PART_SIZE's order: a kill lands inside a multipart upload
 
 

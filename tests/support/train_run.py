@@ -260,3 +260,18 @@ def run_per_worker(args: list[str], dirs: list, timeout: float = 240) -> subproc
         os.killpg(process.pid, signal.SIGKILL)
         out, _ = process.communicate()
     return subprocess.CompletedProcess(args, process.returncode, out, "")
+
+
+# The small GPT most train-package tests run (about 0.12M parameters: a step in milliseconds on a CPU rank).
+TINY = ["--model.n-layer", "2", "--model.d-model", "64", "--model.seq-len", "32"]
+
+
+def train_on_worker_volumes(tmp: Path) -> tuple[Path, list[Path]]:
+    """16 steps on two workers' own volumes (ZeRO-2, checkpoints every 4: 8, 12 and 16 kept): (its ds_config, each
+    worker's directory). Callers read it or copy it, never change it."""
+    ds_config = write_ds_config(tmp, cpu_ds_config(stage=2, micro=2, accum=2,
+                                                   checkpoint={"use_node_local_storage": True}))
+    dirs = [tmp / "worker-0", tmp / "worker-1"]
+    result = run_per_worker(["--ds-config", str(ds_config), "--steps", "16", "--checkpoint-every", "4", *TINY], dirs)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return ds_config, dirs
