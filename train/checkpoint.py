@@ -439,27 +439,22 @@ class Checkpointer:
         started = time.perf_counter()
         self.poll(wait=True)  # the save in flight first: one at a time
         tag = save(self.engine, self.ckpt_dir, step, client_state, self.writer)
-        if self.writer is not None:
-            background = not (stopping or last_step)  # the last word waits for its write
-            stall = time.perf_counter() - started if background else None
-            self.in_flight = (step, self.writer.write(self.ckpt_dir / tag), started, stall)
-            if background:
-                return self.ckpt_dir / tag, stall
-            self.poll(wait=True)
-        else:
+        if self.writer is None:
             dist.barrier()
-            commit(self.ckpt_dir, step, self.keep, self.layout, self.ds_config, time.perf_counter() - started)
+            self._commit(step, started, size=None, stall=None)
             dist.barrier()
-            self.last_saved = step
-            self.committed.append({"step": step, "bytes": None, "write_s": time.perf_counter() - started,
-                                   "stall_s": None, "background": False})
-        seconds = time.perf_counter() - started
-        if self.committed and self.committed[-1]["step"] == step:
-            self.committed[-1]["stall_s"] = seconds
-        return self.ckpt_dir / tag, seconds
+            return self.ckpt_dir / tag, time.perf_counter() - started
+        background = not (stopping or last_step)  # the last word waits for its write
+        stall = time.perf_counter() - started if background else None
+        self.in_flight = (step, self.writer.write(self.ckpt_dir / tag), started, stall)
+        if background:
+            return self.ckpt_dir / tag, stall
+        self.poll(wait=True)
+        return self.ckpt_dir / tag, time.perf_counter() - started
 
     def take_committed(self) -> list[dict]:
-        """What each commit since the previous call wrote ({step, bytes, write_s, stall_s, background}), once."""
+        """What each commit since the previous call wrote, once: {step, bytes, write_s (from the save to the commit),
+        stall_s (what the steps waited, for a background save; else None)}."""
         committed, self.committed = self.committed, []
         return committed
 
@@ -486,12 +481,14 @@ class Checkpointer:
             raise CheckpointError(disk_error(self.ckpt_dir, tag, error) if error else
                                   f"checkpoint {self.ckpt_dir / tag}: writing it failed on another rank (that rank's "
                                   "line says why); nothing of it is resumed from")
+        self._commit(step, started, size=future.result(), stall=stall)
+        return True
+
+    def _commit(self, step: int, started: float, size: int | None, stall: float | None) -> None:
         write_s = time.perf_counter() - started
         commit(self.ckpt_dir, step, self.keep, self.layout, self.ds_config, write_s)
         self.last_saved = step
-        self.committed.append({"step": step, "bytes": future.result(), "write_s": write_s, "stall_s": stall,
-                               "background": stall is not None})
-        return True
+        self.committed.append({"step": step, "bytes": size, "write_s": write_s, "stall_s": stall})
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:

@@ -182,12 +182,12 @@ class RunReport:
     def committed(self, committed: dict) -> None:
         """A checkpoint every rank can resume from: its commit record is written."""
         tag, write_s, size = checkpoint.tag_for(committed["step"]), committed["write_s"], committed["bytes"]
-        if not committed["background"]:
+        if committed["stall_s"] is None:  # written in the step loop
             self.logger.info(f"saved checkpoint {tag} in {write_s:.1f}s")
         else:
             self.logger.info(f"saved checkpoint {tag} in {write_s:.1f}s in the background ({size / 1e6:,.1f} MB on "
                              f"this rank, {size / 1e6 / max(write_s, 1e-6):,.0f} MB/s; the steps waited "
-                             f"{committed['stall_s'] or 0:.2f}s)")
+                             f"{committed['stall_s']:.2f}s)")
         rankstate.publish(checkpoint_step=committed["step"], checkpoint_write_s=round(write_s, 3))
 
     def end(self, status: int) -> None:
