@@ -177,7 +177,7 @@ keeps the job's ledger in its /tmp. Called with (dict "root" $ "component" "work
   value: {{ .credentialsSecret | quote }}
 {{- if .caConfigMap }}
 - name: DS_OBJECT_STORE_CA_FILE
-  value: {{ include "deepspeed-training.objectStoreCaDir" $root }}/ca.crt
+  value: {{ printf "%s/ca.crt" (include "deepspeed-training.objectStoreCaDir" $root) | quote }}
 {{- end }}
 - name: AWS_ACCESS_KEY_ID
   valueFrom:
