@@ -28,16 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.support import s3  # noqa: E402
-from tests.support.chart import CHART, pod_script  # noqa: E402
+from tests.support.chart import pod_script  # noqa: E402
 from tests.support.train_run import cpu_ds_config, run_per_worker, write_ds_config  # noqa: E402
 from train import checkpoint  # noqa: E402
 
 objectstore = pod_script("objectstore")
-
-
-def worker_env(gateway: dict, bucket: str, directory: Path, node: int) -> dict:
-    return s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory), DS_CHECKPOINT_STORAGE="per-worker",
-                        DS_NODE_RANK=str(node), DS_WORKERS="2", DS_OBJECT_STORE_ROLE="worker")
 
 
 def timed(run) -> tuple[float, object]:
@@ -66,8 +61,8 @@ def plain_put(store, bucket: str, tag_dir: Path) -> int:
 
 def restore_both(gateway: dict, bucket: str, dirs: list[Path]) -> None:
     """Both workers' restore containers at once, as files/objectstore.py runs in them (python3 -I)."""
-    procs = [subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "objectstore.py"), "restore"],
-                              env={"PATH": os.environ["PATH"], **worker_env(gateway, bucket, d, n)},
+    procs = [subprocess.Popen(s3.objectstore_argv("restore"),
+                              env={"PATH": os.environ["PATH"], **s3.worker_env(gateway, bucket, d, n)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n, d in enumerate(dirs)]
     for proc in procs:
@@ -124,12 +119,12 @@ def measure(gateway: dict, opts: argparse.Namespace) -> int:
             plain.append(sent / seconds)
             empty(store, bucket)
             bucket = s3.new_bucket(gateway)
-            uploader = objectstore.Uploader(objectstore.Settings(env=worker_env(gateway, bucket, dirs[0], 0)))
+            uploader = objectstore.Uploader(objectstore.Settings(env=s3.worker_env(gateway, bucket, dirs[0], 0)))
             seconds, _ = timed(uploader.upload_newest)
             ours.append(part / seconds)
             empty(store, bucket)
         bucket = s3.new_bucket(gateway)
-        uploaders = [objectstore.Uploader(objectstore.Settings(env=worker_env(gateway, bucket, d, n)))
+        uploaders = [objectstore.Uploader(objectstore.Settings(env=s3.worker_env(gateway, bucket, d, n)))
                      for n, d in enumerate(dirs)]
         for uploader in uploaders:
             uploader.upload_newest()

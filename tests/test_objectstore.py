@@ -26,7 +26,6 @@ from train import checkpoint, podstate
 
 pytestmark = pytest.mark.skipif(s3.unavailable() is not None, reason=s3.unavailable() or "")
 objectstore = pod_script("objectstore")
-SCRIPT = CHART / "files" / "objectstore.py"
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +35,6 @@ def gateway():
 
 def settings(env: dict, **extra) -> "objectstore.Settings":
     return objectstore.Settings(env={**env, **extra})
-
-
-def worker_env(gateway, bucket, directory, node, nodes=2, **extra):
-    return s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory), DS_CHECKPOINT_STORAGE="per-worker",
-                        DS_NODE_RANK=str(node), DS_WORKERS=str(nodes), DS_OBJECT_STORE_ROLE="worker", **extra)
-
-
-def run_script(command: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    """files/objectstore.py as the restore container runs it: python3 -I, only the chart's env."""
-    return subprocess.run([sys.executable, "-I", str(SCRIPT), command], env={"PATH": os.environ["PATH"], **env},
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_workers_part_then_the_commit_and_a_job_that_lost_every_volume_resumes_from_the_bucket(
@@ -60,9 +48,9 @@ def test_every_workers_part_then_the_commit_and_a_job_that_lost_every_volume_res
     ledger = tmp_path / "ledger"
     (ledger / "job-a" / "0001").mkdir(parents=True)
     (ledger / "job-a" / "0001" / "outcome").write_text("1\n")  # a failed attempt: the budget used so far
-    node0 = objectstore.Uploader(settings(worker_env(gateway, bucket, dirs[0], 0, DS_ATTEMPTS_DIR=str(ledger),
+    node0 = objectstore.Uploader(settings(s3.worker_env(gateway, bucket, dirs[0], 0, DS_ATTEMPTS_DIR=str(ledger),
                                                      DS_LEDGER_ON_WORKER0="true")))
-    node1 = objectstore.Uploader(settings(worker_env(gateway, bucket, dirs[1], 1)))
+    node1 = objectstore.Uploader(settings(s3.worker_env(gateway, bucket, dirs[1], 1)))
     node0.step()  # node 0's part: no commit while node 1's is missing
     assert node0.bucket_tags()["step_00000008"] == {"parts": {"0"}, "committed": False}
     node1.step()
@@ -75,18 +63,18 @@ def test_every_workers_part_then_the_commit_and_a_job_that_lost_every_volume_res
     new_ledger = tmp_path / "new-ledger"
     for node, directory in enumerate(fresh):
         extra = {"DS_ATTEMPTS_DIR": str(new_ledger), "DS_LEDGER_ON_WORKER0": "true"} if node == 0 else {}
-        restored = run_script("restore", worker_env(gateway, bucket, directory, node, **extra))
+        restored = s3.run_objectstore("restore", s3.worker_env(gateway, bucket, directory, node, **extra))
         assert restored.returncode == 0, restored.stderr
         assert f"restored step_00000008 from the bucket into {directory / 'step_00000008'} (node {node}'s part" \
             in restored.stdout, restored.stdout
         assert checkpoint.is_complete(directory / "step_00000008")
         assert (directory / "latest").read_text() == "step_00000008"
     assert (new_ledger / "job-a" / "0001" / "outcome").read_text() == "1\n"
-    assert "the job's attempts records" in run_script("restore", worker_env(
+    assert "the job's attempts records" in s3.run_objectstore("restore", s3.worker_env(
         gateway, bucket, tmp_path / "new-0b", 0, DS_ATTEMPTS_DIR=str(tmp_path / "ledger-b"),
         DS_LEDGER_ON_WORKER0="true")).stdout
     # A volume that holds the tag already is left alone.
-    again = run_script("restore", worker_env(gateway, bucket, fresh[1], 1))
+    again = s3.run_objectstore("restore", s3.worker_env(gateway, bucket, fresh[1], 1))
     assert "is as new as the bucket's newest (step_00000008): nothing to restore" in again.stdout, again.stdout
     resumed = run_per_worker([*common, "--steps", "16"], fresh)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
@@ -121,7 +109,7 @@ def test_ssh_a_new_launcher_pod_restores_the_ledger_and_the_job_goes_on_with_the
     second = dict(line.split("=", 1) for line in attempts(old, "begin").stdout.splitlines())
     attempts(old, "stopped", **second)  # the pod deleted mid-attempt
     objectstore.Uploader(settings(launcher_env(old))).step()
-    restored = run_script("restore", launcher_env(new))
+    restored = s3.run_objectstore("restore", launcher_env(new))
     assert restored.returncode == 0 and "restored the job's attempts records" in restored.stdout, restored
     assert "restored step_" not in restored.stdout and not (new / "checkpoints").exists()
     assert "attempt 3 (1 of 2 failures used, 1 preemption)" in attempts(new, "begin").stderr
@@ -133,36 +121,26 @@ def test_a_shared_claim_restores_every_part_into_one_directory_with_one_commit(g
     worker's files and one commit.json that lists them all, as a shared directory's would."""
     _, reference = trained_on_worker_volumes
     bucket = s3.new_bucket(gateway)
-    uploaders = [objectstore.Uploader(settings(worker_env(gateway, bucket, d, n))) for n, d in enumerate(reference)]
+    uploaders = [objectstore.Uploader(settings(s3.worker_env(gateway, bucket, d, n))) for n, d in enumerate(reference)]
     for uploader in (*uploaders, uploaders[0]):
         uploader.step()
     shared = tmp_path / "shared"
-    restored = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(shared), DS_NODE_RANK="0",
-                                                  DS_CHECKPOINT_STORAGE="shared", DS_OBJECT_STORE_ROLE="worker"))
+    restored = s3.run_objectstore("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(shared),
+                                                          DS_NODE_RANK="0", DS_CHECKPOINT_STORAGE="shared",
+                                                          DS_OBJECT_STORE_ROLE="worker"))
     assert restored.returncode == 0 and "(2 part(s)" in restored.stdout, restored.stdout + restored.stderr
     tag = shared / "step_00000016"
     assert checkpoint.is_complete(tag)
     files = set(checkpoint.read_manifest(tag)["files"])
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
             "mp_rank_00_model_states.pt"} <= files, files
-    other = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "x"),
-                                               DS_NODE_RANK="1", DS_CHECKPOINT_STORAGE="shared",
-                                               DS_OBJECT_STORE_ROLE="worker"))
+    other = s3.run_objectstore("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "x"),
+                                                       DS_NODE_RANK="1", DS_CHECKPOINT_STORAGE="shared",
+                                                       DS_OBJECT_STORE_ROLE="worker"))
     assert other.returncode == 0 and not (tmp_path / "x").exists()
 
 
 PART = objectstore.PART_SIZE
-
-
-def read_so_far(pid: int, path) -> int:
-    """How far process pid has read the file at path (its descriptor's offset), 0 if it has it not open."""
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            if os.readlink(fd) == str(path):
-                return int(Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return 0
 
 
 def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the_newest(gateway, tmp_path):
@@ -180,16 +158,14 @@ def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the
     with open(big / "shard.pt", "wb") as f:
         f.truncate(600 << 20)
     (big / "commit.json").write_text(json.dumps({"step": 30, "files": checkpoint.files_of(big)}))
-    env = {"PATH": os.environ["PATH"], **s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory))}
-    uploader = subprocess.Popen([sys.executable, "-I", "-c", (
-        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import objectstore; "
-        "objectstore.Uploader(objectstore.Settings()).step()")], env=env, stderr=subprocess.PIPE)
-    wait_for(lambda: uploader.poll() is not None or read_so_far(uploader.pid, big / "shard.pt") > PART, 60,
+    uploader = s3.upload_round(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)),
+                               stderr=subprocess.PIPE)
+    wait_for(lambda: uploader.poll() is not None or s3.read_so_far(uploader.pid, big / "shard.pt") > PART, 60,
              "the upload of step 30 to be under way")
     assert uploader.poll() is None, "the upload of 600 MB finished before it could be killed"
     os.kill(uploader.pid, signal.SIGKILL)
     uploader.wait()
-    restored = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
+    restored = s3.run_objectstore("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
     assert "restored step_00000020 from the bucket" in restored.stdout, restored.stdout + restored.stderr
     shutil.rmtree(big)
     # Retention, keep 1: the newest committed stays, and the cut tag, newer (from the bucket, it may be uploading);
@@ -219,12 +195,9 @@ def test_a_tag_deleted_while_it_uploads_is_never_committed_and_the_next_one_goes
         with open(doomed / name, "wb") as f:
             f.truncate(16 * PART)  # the first one read takes long enough to delete the tag before the second
     (doomed / "trainer_state.json").write_text('{"global_step": 100}')
-    env = {"PATH": os.environ["PATH"], **s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory))}
-    uploader = subprocess.Popen([sys.executable, "-I", "-c", (
-        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import objectstore; "
-        "objectstore.Uploader(objectstore.Settings()).step()")], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: uploader.poll() is not None or any(read_so_far(uploader.pid, doomed / name) > PART
+    uploader = s3.upload_round(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: uploader.poll() is not None or any(s3.read_so_far(uploader.pid, doomed / name) > PART
                                                         for name in ("model.safetensors", "optimizer.pt")),
              60, "the upload of checkpoint-100 to be under way")
     shutil.rmtree(doomed)  # the rotation, mid-upload
@@ -238,7 +211,7 @@ def test_a_tag_deleted_while_it_uploads_is_never_committed_and_the_next_one_goes
     (newer / "model.safetensors").write_bytes(b"weights")
     (newer / "trainer_state.json").write_text('{"global_step": 200}')
     objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)))).step()
-    restored = run_script("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
+    restored = s3.run_objectstore("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
     assert "restored checkpoint-200 from the bucket" in restored.stdout, restored.stdout + restored.stderr
 
 
@@ -283,7 +256,7 @@ def test_a_store_the_pods_cannot_use_is_refused_before_any_rank_in_one_line_nami
         env["DS_OBJECT_STORE_ENDPOINT"] = gateway["LOCAL_S3_TLS_ENDPOINT"]
         if case == "tls":
             env["DS_OBJECT_STORE_CA_FILE"] = gateway["LOCAL_S3_CA_BUNDLE"]
-    result = run_script("check", env)
+    result = s3.run_objectstore("check", env)
     if case == "tls":
         assert result.returncode == 0 and "answers for ml/job/" in result.stdout, result.stderr
         return

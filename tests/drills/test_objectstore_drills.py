@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import s3
-from tests.support.chart import CHART
+from tests.support.chart import CHART, pod_script
 from tests.support.harness import wait_for
 from tests.support.ports import free_port
 from tests.support.train_run import TINY, cpu_ds_config, launch, metrics, run_per_worker, run_train, write_ds_config
@@ -27,7 +27,6 @@ from train import checkpoint, podstate, tags
 pytestmark = pytest.mark.skipif(
     "objectstore" not in os.environ.get("DS_DRILLS", "") or s3.unavailable() is not None,
     reason=s3.unavailable() or "a long drill: `make drill-objectstore` runs it (DS_DRILLS=objectstore)")
-SCRIPT = CHART / "files" / "objectstore.py"
 PART = 16 << 20  # objectstore.PART_SIZE's order: a kill lands inside a multipart upload
 
 
@@ -36,29 +35,13 @@ def gateway():
     return s3.up()
 
 
-def run_script(command: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-I", str(SCRIPT), command], env={"PATH": os.environ["PATH"], **env},
-                          capture_output=True, text=True, timeout=timeout)
+def run_script(command: str, env: dict) -> subprocess.CompletedProcess:
+    return s3.run_objectstore(command, env, timeout=300)
 
 
 def uploader_process(env: dict) -> subprocess.Popen:
-    """One round of the sidecar's uploads (Uploader.step), as a process that can be killed."""
-    return subprocess.Popen([sys.executable, "-I", "-c", (
-        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import objectstore; "
-        "objectstore.Uploader(objectstore.Settings()).step()")], env={"PATH": os.environ["PATH"], **env},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def read_so_far(pid: int, directory: Path) -> int:
-    """Bytes process pid has read of the files it has open under directory."""
-    total = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            if os.readlink(fd).startswith(str(directory)):
-                total += int(Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    """One round of the sidecar's uploads, as a process that can be killed."""
+    return s3.upload_round(env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def write_tag(directory: Path, step: int, sizes: list[int]) -> Path:
@@ -92,11 +75,11 @@ def test_twenty_uploads_killed_mid_tag_never_leave_a_tag_that_is_restored(gatewa
         cut_at = rng.randint(PART, total - 2 * PART)
         uploader = uploader_process(env)
         deadline = time.monotonic() + 120
-        while uploader.poll() is None and read_so_far(uploader.pid, tag) < cut_at:  # a tight look: 5 ms
+        while uploader.poll() is None and s3.read_so_far(uploader.pid, tag) < cut_at:  # a tight look: 5 ms
             assert time.monotonic() < deadline, f"round {round_}'s upload never reached byte {cut_at}"
             time.sleep(0.005)
         if uploader.poll() is None:
-            killed_after.append(read_so_far(uploader.pid, tag) / total)
+            killed_after.append(s3.read_so_far(uploader.pid, tag) / total)
             os.kill(uploader.pid, signal.SIGKILL)
         uploader.wait()
         target = tmp_path / f"restore-{round_}"
@@ -139,12 +122,9 @@ def test_a_job_resumed_from_the_bucket_on_three_ranks_trains_as_one_resumed_from
     first = run_per_worker([*common, "--steps", "8"], workers)
     assert first.returncode == 0, first.stdout[-4000:]
     bucket = s3.new_bucket(gateway)
-    sys.path.insert(0, str(SCRIPT.parent))
-    import objectstore  # noqa: PLC0415 - the chart's file, as the sidecar imports it
-
-    uploaders = [objectstore.Uploader(objectstore.Settings(env=s3.store_env(
-        gateway, bucket, DS_CHECKPOINT_DIR=str(d), DS_CHECKPOINT_STORAGE="per-worker", DS_NODE_RANK=str(n),
-        DS_WORKERS="2", DS_OBJECT_STORE_ROLE="worker"))) for n, d in enumerate(workers)]
+    objectstore = pod_script("objectstore")
+    uploaders = [objectstore.Uploader(objectstore.Settings(env=s3.worker_env(gateway, bucket, d, n)))
+                 for n, d in enumerate(workers)]
     for uploader in (*uploaders, uploaders[0]):
         uploader.step()
     assert uploaders[0].status["committed_step"] == 8

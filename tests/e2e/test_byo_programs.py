@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -37,6 +36,15 @@ HF_ARGS = ["--use_cpu", "--per_device_train_batch_size=4", "--learning_rate=2e-3
            "--save_steps=5", "--report_to=none", "--seed=0", "--dataloader_num_workers=0"]
 
 
+def trainer_values(shared_dir, max_steps: int) -> dict:
+    """The Trainer example (examples/hf_trainer.py) on the chart's default storage, a volume per worker pod."""
+    values = program_values(shared_dir, script=str(ROOT / "examples" / "hf_trainer.py"), argsConvention="huggingface",
+                            fillsDsConfigAuto=True, args=[*HF_ARGS, f"--max_steps={max_steps}"])
+    values["deepspeed"]["config"] = hf_ds_config()
+    del values["checkpoints"]
+    return values
+
+
 def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_heartbeat(shared_dir, tmp_path):
     """On the chart's default storage, a volume per worker pod: the chart passes --save_on_each_node and DeepSpeed's
     use_node_local_storage, so each worker keeps what its ranks load. A redeploy is played by copying each worker's
@@ -44,12 +52,8 @@ def test_a_hugging_face_trainer_program_resumes_and_its_hang_is_caught_by_the_he
     kept = [tmp_path / "worker-0", tmp_path / "worker-1"]
 
     def hf_values(max_steps):
-        values = program_values(shared_dir, script=str(ROOT / "examples" / "hf_trainer.py"),
-                                argsConvention="huggingface", fillsDsConfigAuto=True,
-                                args=[*HF_ARGS, f"--max_steps={max_steps}"])
-        values["deepspeed"]["config"] = hf_ds_config()
+        values = trainer_values(shared_dir, max_steps)
         values["hangDetection"] = {"enabled": True, "startupSeconds": 120, "stepSeconds": 10}
-        del values["checkpoints"]
         return values
 
     with Cluster(render(hf_values(10))) as cluster:
@@ -190,39 +194,23 @@ def test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods(shared_dir, t
         pytest.skip(s3.unavailable())
     gateway = s3.up()
     bucket = s3.new_bucket(gateway)
-    script = ROOT / "charts" / "deepspeed-training" / "files" / "objectstore.py"
-
-    def store_env(volume, node) -> dict:
-        return {"PATH": os.environ["PATH"], **s3.store_env(
-            gateway, bucket, DS_CHECKPOINT_DIR=str(volume), DS_CHECKPOINT_STORAGE="per-worker",
-            DS_NODE_RANK=str(node), DS_WORKERS="2", DS_OBJECT_STORE_ROLE="worker")}
-
-    def hf_values(max_steps):
-        values = program_values(shared_dir, script=str(ROOT / "examples" / "hf_trainer.py"),
-                                argsConvention="huggingface", fillsDsConfigAuto=True,
-                                args=[*HF_ARGS, f"--max_steps={max_steps}"])
-        values["deepspeed"]["config"] = hf_ds_config()
-        del values["checkpoints"]
-        return values
-
-    uploads = "import sys, objectstore; u = objectstore.Uploader(objectstore.Settings()); u.step(); u.step()"
-    with Cluster(render(hf_values(10))) as cluster:
+    with Cluster(render(trainer_values(shared_dir, 10))) as cluster:
         code, log = cluster.run_launcher(timeout=300)
         assert code == 0, log[-5000:]
         volumes = [cluster.checkpoint_dir(w) for w in cluster.pods_of("worker")]
         for node in (1, 0):  # node 0 last: it commits once every part is there
-            done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, "
-                                   f"{str(script.parent)!r}); {uploads}"], env=store_env(volumes[node], node),
-                                  capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0 and "uploaded checkpoint-10" in done.stderr, done.stdout + done.stderr
-        assert "committed checkpoint-10 in the bucket (2 part(s))" in done.stderr, done.stderr
-    with Cluster(render(hf_values(20))) as cluster:
+            uploads = s3.upload_round(s3.worker_env(gateway, bucket, volumes[node], node), rounds=2,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = uploads.communicate(timeout=300)
+            assert uploads.returncode == 0 and "uploaded checkpoint-10" in err, out + err
+        assert "committed checkpoint-10 in the bucket (2 part(s))" in err, err
+    with Cluster(render(trainer_values(shared_dir, 20))) as cluster:
         workers = cluster.start_workers()
         for node, worker in enumerate(workers):
             volume = cluster.checkpoint_dir(worker)
             assert not any(volume.iterdir()), sorted(volume.iterdir())  # a fresh pod's volume
-            restored = subprocess.run([sys.executable, "-I", str(script), "restore"], env=store_env(volume, node),
-                                      user=UID, capture_output=True, text=True, timeout=300)
+            restored = s3.run_objectstore("restore", s3.worker_env(gateway, bucket, volume, node), timeout=300,
+                                          user=UID)
             assert restored.returncode == 0, restored.stderr
             assert f"restored checkpoint-10 from the bucket into {volume / 'checkpoint-10'} (node {node}'s part" \
                 in restored.stdout, restored.stdout

@@ -7,12 +7,15 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT.parent / "shared" / "s3" / "local-s3.sh"
 STATE = ROOT / ".build" / "s3"
+OBJECTSTORE = ROOT / "charts" / "deepspeed-training" / "files" / "objectstore.py"  # the chart's, as pods run it
 LOCK = ROOT / ".build" / "s3.lock"
 
 
@@ -39,12 +42,15 @@ def up() -> dict[str, str]:
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         running = (STATE / "env").is_file()
-        proc = subprocess.run(["bash", str(SCRIPT), "up", str(STATE)], capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0 and STATE.exists():
-            # The state of a gateway that did not stop cleanly (a killed run): clear it and start afresh once.
-            down()
+        for _ in range(3):
             proc = subprocess.run(["bash", str(SCRIPT), "up", str(STATE)], capture_output=True, text=True,
                                   timeout=600)
+            if proc.returncode == 0 or not STATE.exists():
+                break
+            # The state of a gateway that did not stop cleanly (a killed run), or a start that failed (its OSD
+            # exits at once, now and then, when the daemons of one just stopped are still going): clear it, once
+            # those daemons are gone, and start afresh.
+            down()
         if proc.returncode != 0:
             raise RuntimeError(f"local-s3.sh up failed: {proc.stderr[-2000:]}")
         if not running or not STARTED_BY.is_file():
@@ -65,18 +71,45 @@ def down(only_if_started_by_this_session: bool = False) -> None:
                 return
         except OSError:
             return
+    daemons = _daemons()
     subprocess.run(["bash", str(SCRIPT), "down", str(STATE)], capture_output=True, timeout=120)
     if STATE.exists():
         # local-s3.sh's down stops at a pid file whose daemon is already gone (set -e on the failed kill): stop what
-        # is left by its pid files and remove the state, as its down would have.
-        for pidfile in (STATE / "run").glob("*.pid"):
+        # is left and remove the state, as its down would have.
+        for pid in daemons:
             try:
-                pid = int(pidfile.read_text().strip())
-                if str(STATE) in Path(f"/proc/{pid}/cmdline").read_text():  # never a reused pid's process
-                    os.kill(pid, signal.SIGKILL)
-            except (ValueError, OSError):
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
                 pass
         shutil.rmtree(STATE, ignore_errors=True)
+    # Its down signals the daemons and returns: the next up must not meet them still going.
+    deadline = time.monotonic() + 60
+    while (alive := [pid for pid in daemons if _is_daemon(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _daemons() -> list[int]:
+    """The gateway's daemons, by their pid files."""
+    pids = []
+    for pidfile in (STATE / "run").glob("*.pid"):
+        try:
+            pids.append(int(pidfile.read_text().strip()))
+        except (ValueError, OSError):
+            continue
+    return [pid for pid in pids if _is_daemon(pid)]
+
+
+def _is_daemon(pid: int) -> bool:
+    """pid is still one of the gateway's daemons (never a reused pid's process)."""
+    try:
+        return str(STATE) in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
 
 
 def client(env: dict[str, str]):
@@ -100,3 +133,43 @@ def store_env(env: dict[str, str], bucket: str, *, endpoint: str | None = None, 
             "DS_OBJECT_STORE_KEEP": "3", "DS_OBJECT_STORE_CREDENTIALS_SECRET": "ml-checkpoints-s3",
             "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
             "DS_RELEASE": release, **extra}
+
+
+def worker_env(env: dict[str, str], bucket: str, directory: Path, node: int, nodes: int = 2, **extra: str
+               ) -> dict[str, str]:
+    """store_env for worker `node` of `nodes` on per-worker volumes (its own `directory`)."""
+    return store_env(env, bucket, DS_CHECKPOINT_DIR=str(directory), DS_CHECKPOINT_STORAGE="per-worker",
+                     DS_NODE_RANK=str(node), DS_WORKERS=str(nodes), DS_OBJECT_STORE_ROLE="worker", **extra)
+
+
+def objectstore_argv(command: str) -> list[str]:
+    """files/objectstore.py COMMAND as the restore container runs it (python3 -I)."""
+    return [sys.executable, "-I", str(OBJECTSTORE), command]
+
+
+def run_objectstore(command: str, env: dict[str, str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """files/objectstore.py COMMAND with only the chart's env (and PATH); kwargs go to subprocess.run (user=...)."""
+    return subprocess.run(objectstore_argv(command), env={"PATH": os.environ["PATH"], **env}, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def upload_round(env: dict[str, str], rounds: int = 1, **kwargs) -> subprocess.Popen:
+    """`rounds` rounds of the sidecar's uploads (objectstore.Uploader.step) in a process of their own, one that a
+    test can kill; kwargs go to Popen (stdout=...). Its log lines go to stderr."""
+    code = (f"import sys; sys.path.insert(0, {str(OBJECTSTORE.parent)!r}); import objectstore; "
+            f"u = objectstore.Uploader(objectstore.Settings()); [u.step() for _ in range({rounds})]")
+    return subprocess.Popen([sys.executable, "-I", "-c", code], env={"PATH": os.environ["PATH"], **env}, **kwargs)
+
+
+def read_so_far(pid: int, path: Path) -> int:
+    """Bytes process pid has read of the file at `path`, or of the files it has open under the directory `path`
+    (each descriptor's offset); 0 if it has none open."""
+    total = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+            if target == str(path) or target.startswith(f"{path}/"):
+                total += int(Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
