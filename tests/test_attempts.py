@@ -52,7 +52,7 @@ def test_preemptions_do_not_spend_the_budget_and_a_spent_budget_ends_the_job(tmp
     assert env["DS_RUN_ID"] == "run-0006-job1" and env["DS_ATTEMPT_DIR"].endswith("attempts/job-1/0006")
     run(tmp_path, "end", "1", env=env)  # a fourth failure: over the budget
     spent = run(tmp_path, "begin")
-    assert spent.returncode == attempts.BUDGET_SPENT and spent.stdout == ""
+    assert spent.returncode == attempts.NOT_RETRIED and spent.stdout == ""
     assert "failure budget spent: 4 failed attempts, job.runRetries=3 allows 3" in spent.stderr
     # Another Job of the release (a reinstall) has its own budget.
     assert run(tmp_path, "begin", env={"DS_JOB_UID": "job-2"}).returncode == 0
@@ -90,7 +90,7 @@ def test_an_ssh_worker_marks_the_attempt_its_ranks_run_and_nothing_outside_the_l
             rank.kill()
             rank.wait()
     assert result.returncode == 0 and "stopped by SIGTERM" in result.stdout
-    assert [p.name.startswith("stopped-") for p in Path(env["DS_ATTEMPT_DIR"]).iterdir()] == [True]
+    assert len(list(Path(env["DS_ATTEMPT_DIR"]).glob("stopped-*"))) == 1
     assert list(outside.iterdir()) == []
     assert attempts.verdict(Path(env["DS_ATTEMPT_DIR"])) == "preemption"
 
@@ -114,7 +114,7 @@ def test_the_charts_pod_failure_policy_and_ledger_place_match_attempts_py():
         rules = job["spec"]["podFailurePolicy"]["rules"]
         fail = [r for r in rules if r["action"] == "FailJob"][0]["onExitCodes"]["values"]
         ignore = [r for r in rules if r["action"] == "Ignore" and "onExitCodes" in r][0]["onExitCodes"]["values"]
-        assert attempts.BUDGET_SPENT in fail and 143 in ignore
+        assert attempts.NOT_RETRIED in fail and 143 in ignore
         owner = container(job)
         env = env_of(job)
         assert env["DS_ATTEMPTS_DIR"] == ledger and "DS_JOB_UID" in [e["name"] for e in owner["env"]]
@@ -128,6 +128,17 @@ def hang(host: str, run: str, rank: int, kind: str, beat: float, where: str) -> 
                                                                          where)])
 
 
+def evidence(report: dict | None = None, host: str = "", run_id: str = "", status: int | None = None,
+             ends: tuple = (), step: int | None = None) -> dict:
+    """One host's evidence as attempts.py `evidence` prints it (its hang report's host and run, if given)."""
+    return podstate.host_evidence(report["host"] if report else host, report["run"] if report else run_id, status,
+                                  report, list(ends), step)
+
+
+def end_record(run_id: str, rank: int, host: str, cause: str, line: str, step: int | None, when: float) -> dict:
+    return podstate.end_record(run_id, rank, host, cause, line, step, when)
+
+
 def test_ssh_the_ledger_names_the_culprit_on_the_second_host_from_every_hosts_report(tmp_path):
     """The launcher collects every worker's hang report from pdsh's output after a failed run; the attempt's cause,
     the verdict the sidecar publishes and the next attempt's reason name the stopped rank on worker 1, not worker
@@ -139,10 +150,10 @@ def test_ssh_the_ledger_names_the_culprit_on_the_second_host_from_every_hosts_re
     culprit = hang("w-1", run_id, 1, "stopped", 990.0, "process stopped (T (stopped))")
     stale = hang("w-2", "run-0009-other", 2, "stopped", 10.0, "of another run")
     pdsh = "".join(f"{host}: {line}\n" for host, line in (
-        ("w-0", f"hang on w-0 ({run_id}): rank 0 made no progress for 12s"), ("w-2", json.dumps(stale)),
-        ("w-1", '{"v": 1, "ranks": "hostile"}')))
-    # A report without its newline runs into the next host's line, as pdsh writes them.
-    pdsh += f"w-0: {json.dumps(victim)}w-1: {json.dumps(culprit)}\n"
+        ("w-0", f"hang on w-0 ({run_id}): rank 0 made no progress for 12s"), ("w-2", json.dumps(evidence(stale))),
+        ("w-1", '{"v": 1, "kind": "evidence", "hang": {"v": 1, "ranks": "hostile"}}')))
+    # A record without its newline runs into the next host's line, as pdsh writes them.
+    pdsh += f"w-0: {json.dumps(evidence(victim))}w-1: {json.dumps(evidence(culprit))}\n"
     collected = run(tmp_path, "collect", env=env, stdin=pdsh)
     assert collected.returncode == 0 and collected.stdout == f"w-0: hang on w-0 ({run_id}): rank 0 made no progress " \
         "for 12s\n", collected.stdout
@@ -152,7 +163,9 @@ def test_ssh_the_ledger_names_the_culprit_on_the_second_host_from_every_hosts_re
     assert verdict["reason"].startswith("attempt 1 ended: hang: rank 1 on w-1 is the likely culprit (its process is "
                                         "stopped, after step 200); 1 rank waits for it in collectives (rank 0 on w-0)")
     cause = json.loads((Path(env["DS_ATTEMPT_DIR"]) / "cause.json").read_text())
-    assert cause == {"status": 1, "reason": verdict["reason"], "culprit": "rank 1 on w-1"}
+    assert {k: cause[k] for k in ("status", "cause", "reason", "culprit", "step")} == \
+        {"status": 1, "cause": "hang", "reason": verdict["reason"], "culprit": "rank 1 on w-1", "step": 200}
+    assert verdict["cause"] == "hang" and verdict["history"][-1]["cause"] == "hang" and verdict["causes"] == {"hang": 1}
     run(tmp_path, "begin", env=env)  # the retry keeps saying why the attempt before ended
     assert json.loads((state / attempts.VERDICT).read_text())["reason"] == verdict["reason"]
 
@@ -167,10 +180,12 @@ def test_nossh_the_reports_that_arrive_at_the_barrier_name_the_culprit_after_the
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     attempts.end(1)
-    assert json.loads((state / attempts.VERDICT).read_text())["reason"] == "attempt 1 ended with status 1"
+    assert json.loads((state / attempts.VERDICT).read_text())["reason"] == \
+        "attempt 1 ended: program-error: exit status 1 (no rank said why: the ranks' log has it)"
     run_id = env["DS_RUN_ID"]
-    attempts.record_reports([hang("w-0", run_id, 0, "in-collective", 1000.0, "waits: all_reduce"), "junk",
-                             hang("w-1", run_id, 1, "outside-collective", 995.0, "in read_the_stuck_mount (x.py:9)")])
+    attempts.record_evidence([evidence(hang("w-0", run_id, 0, "in-collective", 1000.0, "waits: all_reduce")), "junk",
+                              evidence(hang("w-1", run_id, 1, "outside-collective", 995.0,
+                                            "in read_the_stuck_mount (x.py:9)"))])
     verdict = json.loads((state / attempts.VERDICT).read_text())
     assert verdict["culprit"] == "rank 1 on w-1" and "stuck outside any collective: in read_the_stuck_mount" in \
         verdict["reason"], verdict
@@ -205,8 +220,8 @@ def test_an_upgrade_after_the_job_failed_gets_a_fresh_budget_and_the_failed_job_
     for _ in range(2):
         env = {**dict(line.split("=", 1) for line in run(tmp_path, "begin", env=failed).stdout.splitlines()), **failed}
         run(tmp_path, "end", "1", env=env)
-    assert run(tmp_path, "begin", env=failed).returncode == attempts.BUDGET_SPENT
-    assert run(tmp_path, "begin", env=failed).returncode == attempts.BUDGET_SPENT  # a new pod of that Job
+    assert run(tmp_path, "begin", env=failed).returncode == attempts.NOT_RETRIED
+    assert run(tmp_path, "begin", env=failed).returncode == attempts.NOT_RETRIED  # a new pod of that Job
     fixed = {**failed, "DS_JOB_UID": "job-revision-2"}
     result = run(tmp_path, "begin", env=fixed)
     assert result.returncode == 0 and "attempt 3 (0 of 1 failures used, 0 preemptions)" in result.stderr, result.stderr
@@ -216,8 +231,8 @@ def test_an_upgrade_after_the_job_failed_gets_a_fresh_budget_and_the_failed_job_
     assert "attempt 4 (1 of 1 failures used, 0 preemptions)" in again.stderr, again.stderr
     env = {**dict(line.split("=", 1) for line in again.stdout.splitlines()), **fixed}
     run(tmp_path, "end", "1", env=env)
-    assert run(tmp_path, "begin", env=fixed).returncode == attempts.BUDGET_SPENT  # its own budget, spent in turn
-    assert run(tmp_path, "begin", env=failed).returncode == attempts.BUDGET_SPENT
+    assert run(tmp_path, "begin", env=fixed).returncode == attempts.NOT_RETRIED  # its own budget, spent in turn
+    assert run(tmp_path, "begin", env=failed).returncode == attempts.NOT_RETRIED
 
 
 def test_the_ledger_moves_into_the_charts_folder_once_and_old_installs_are_pruned(tmp_path):
@@ -234,3 +249,185 @@ def test_the_ledger_moves_into_the_charts_folder_once_and_old_installs_are_prune
     assert not old.exists()
     kept = sorted(p.name for p in (tmp_path / "ckpt" / podstate.JOB_DIR / "attempts").iterdir())
     assert kept == ["b", "c", "d", "e"], kept  # the current job and the 3 newest others
+
+
+def end_attempt(tmp_path: Path, status: int, *hosts: dict, env: dict | None = None) -> dict:
+    """Begins an attempt, has the workers' evidence collected as the ssh launcher does (pdsh's `host: line` output)
+    and ends it with `status`: its cause.json. `hosts` are functions of the run's ID giving one host's evidence."""
+    env = {**(env or begin(tmp_path)), podstate.STATE_DIR_ENV: str(tmp_path / "ranks")}
+    pdsh = "".join(f"{e['host']}: {json.dumps(e)}\n" for e in (make(env["DS_RUN_ID"]) for make in hosts))
+    assert run(tmp_path, "collect", env=env, stdin=pdsh).returncode == 0
+    assert run(tmp_path, "end", str(status), env=env).returncode == 0
+    return json.loads((Path(env["DS_ATTEMPT_DIR"]) / "cause.json").read_text())
+
+
+def raised(host: str, rank: int, line: str, step: int, when: float, cause: str = "program-error", status=None):
+    return lambda run_id: evidence(host=host, run_id=run_id, status=status, step=step,
+                                   ends=[end_record(run_id, rank, host, cause, line, step, when)])
+
+
+@pytest.mark.parametrize("status, hosts, cause, words", [
+    (0, [], "completed", "completed"),
+    (1, [raised("w-0", 0, "ZeroDivisionError: division by zero", 57, 100.0),
+         raised("w-1", 1, "RuntimeError: Connection closed by peer [10.0.0.1]:4242", 57, 101.0)],
+     "program-error", "rank 0 on w-0 at step 57: ZeroDivisionError: division by zero"),
+    # kill -9 of rank 1: its node's launcher exits 247 (Python's sys.exit(-9)); its peers' errors follow from it.
+    (1, [raised("w-0", 0, "RuntimeError: Connection closed by peer", 57, 101.0, status=1),
+         lambda run_id: evidence(host="w-1", run_id=run_id, status=247, step=57)],
+     "program-error", "a rank on w-1 was killed by SIGKILL (kill -9, or the kernel's OOM killer"),
+    (247, [], "program-error", "a rank was killed by SIGKILL"),
+    (1, [raised("w-0", 0, "loss is nan at step 12 (the mean over ranks)", 12, 100.0, "loss-nan"),
+         raised("w-1", 1, "loss is nan at step 12 (the mean over ranks)", 12, 100.1, "loss-nan")],
+     "loss-nan", "rank 0 on w-0 at step 12: loss is nan"),
+    (2, [raised("w-1", 1, "checkpoint /ckpt/step_00000040: No space left on device", 40, 100.0, "storage-error")],
+     "storage-error", "No space left on device; not retried"),
+    (2, [raised("w-0", 0, "train_config.json: steps: expected an integer >= 1", None, 100.0, "config-error")],
+     "config-error", "rank 0 on w-0: train_config.json: steps: expected an integer >= 1; not retried"),
+    (2, [], "config-error", "a configuration error"),
+    (1, [], "program-error", "exit status 1 (no rank said why"),
+    # A collective timed out (the chart's collective timeout below the hang budget) before the watchdog reported the
+    # rank it waited for: the timeout is the cause, the hang's culprit is named.
+    (1, [raised("w-0", 0, "RuntimeError: [gloo] Timed out waiting 60000ms for recv operation to complete", 30,
+                1000.0, "collective-timeout"),
+         lambda run_id: evidence(hang("w-1", run_id, 1, "outside-collective", 990.0, "in read_batch (x.py:9)"))],
+     "collective-timeout", "Timed out waiting"),
+    # The watchdog reported first: a hang, whatever the ranks raised while they were killed.
+    (1, [raised("w-0", 0, "RuntimeError: Connection closed by peer", 30, 1100.0),
+         lambda run_id: evidence(hang("w-1", run_id, 1, "stopped", 950.0, "process stopped"))],
+     "hang", "hang: rank 1 on w-1 is the likely culprit"),
+])
+def test_every_attempt_end_gets_one_cause_from_the_evidence(tmp_path, status, hosts, cause, words):
+    found = end_attempt(tmp_path, status, *hosts)
+    assert found["cause"] == cause and words in found["reason"], found
+    assert found["cause"] in podstate.CAUSES and found["ended"] >= found["begun"]
+    verdict = json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())
+    assert verdict["cause"] == cause and verdict["causes"] == {cause: 1}
+
+
+def test_a_preemption_is_preempted_whatever_the_ranks_raised(tmp_path):
+    env = begin(tmp_path)
+    run(tmp_path, "stopped", env=env)
+    found = end_attempt(tmp_path, 143, raised("w-0", 0, "RuntimeError: Connection closed by peer", 5, 100.0), env=env)
+    assert found["cause"] == "preempted", found
+
+
+def test_the_same_error_at_the_same_step_twice_stops_the_job_after_attempt_2(tmp_path):
+    """Deterministic: the budget (3) is not spent on it. The numbers that differ between runs (a port) do not
+    make two errors different; another step does."""
+    error = "RuntimeError: shape mismatch in layer 3 [10.0.0.1]:{port}"
+    end_attempt(tmp_path, 1, raised("w-0", 0, error.format(port=4242), 57, 100.0))
+    end_attempt(tmp_path, 1, raised("w-0", 0, error.format(port=5151), 57, 200.0))
+    stopped = run(tmp_path, "begin", env={podstate.STATE_DIR_ENV: str(tmp_path / "ranks")})
+    assert stopped.returncode == attempts.NOT_RETRIED and stopped.stdout == ""
+    assert "the same error at step 57 in attempts 1 and 2 (program-error: RuntimeError: shape mismatch" in \
+        stopped.stderr and "deterministic, not retried" in stopped.stderr and "2 of 3 failures used" in stopped.stderr
+    verdict = json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())
+    assert (verdict["state"], verdict["cause"]) == ("failed", "program-error"), verdict
+    # The fix (a later Job of the same install: `helm upgrade`) starts afresh; the stopped Job stays stopped.
+    (tmp_path / "ranks" / podstate.JOB_ID_FILE).write_text("job-1\n")  # the install, as the sidecar writes it
+    install = {podstate.STATE_DIR_ENV: str(tmp_path / "ranks")}
+    assert run(tmp_path, "begin", env=install).returncode == attempts.NOT_RETRIED
+    fixed = run(tmp_path, "begin", env={**install, "DS_JOB_UID": "job-revision-2"})
+    assert fixed.returncode == 0 and "attempt 3 (0 of 3 failures used, 0 preemptions)" in fixed.stderr, fixed.stderr
+
+
+def test_a_nan_that_recurs_at_the_same_step_stops_and_one_at_another_step_is_retried(tmp_path):
+    nan = "loss is nan at step {step} (the mean over ranks): stopped before saving this state"
+    end_attempt(tmp_path, 1, raised("w-0", 0, nan.format(step=12), 12, 100.0, "loss-nan"))
+    end_attempt(tmp_path, 1, raised("w-0", 0, nan.format(step=30), 30, 200.0, "loss-nan"))
+    assert run(tmp_path, "begin").returncode == 0  # another step: retried
+    tmp2 = tmp_path / "again"
+    tmp2.mkdir()
+    end_attempt(tmp2, 1, raised("w-0", 0, nan.format(step=12), 12, 100.0, "loss-nan"))
+    end_attempt(tmp2, 1, raised("w-0", 0, nan.format(step=12), 12, 200.0, "loss-nan"))
+    stopped = run(tmp2, "begin")
+    assert stopped.returncode == attempts.NOT_RETRIED and "(loss-nan: loss is nan at step 12" in stopped.stderr
+
+
+def test_attempts_without_a_new_step_stop_as_no_progress_and_preemptions_neither_count_nor_break_the_row(tmp_path):
+    end_attempt(tmp_path, 1, lambda run_id: evidence(host="w-0", run_id=run_id, step=40))  # progress: 40
+    env = begin(tmp_path)
+    run(tmp_path, "stopped", env=env)
+    end_attempt(tmp_path, 143, env=env)  # a preemption between: skipped
+    end_attempt(tmp_path, 1, lambda run_id: evidence(host="w-0", run_id=run_id, step=40))  # no new step
+    assert run(tmp_path, "begin").returncode == 0  # one in a row: retried
+    # (the begin above started attempt 4; end it without a step)
+    env = {"DS_ATTEMPT_DIR": str(tmp_path / "attempts" / "job-1" / "0004"), "DS_RUN_ID": "run-0004-job1",
+           podstate.STATE_DIR_ENV: str(tmp_path / "ranks")}
+    run(tmp_path, "end", "1", env=env)
+    stopped = run(tmp_path, "begin", env={podstate.STATE_DIR_ENV: str(tmp_path / "ranks")})
+    assert stopped.returncode == attempts.NOT_RETRIED, stopped.stderr
+    assert "2 failed attempts in a row (3, 4) reached no new step beyond step 40" in stopped.stderr
+    assert json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())["cause"] == "no-progress"
+    # job.noProgressAttempts 0 turns the rule off: the budget (3) decides.
+    assert run(tmp_path, "begin", env={"DS_JOB_UID": "job-2", "DS_NO_PROGRESS_ATTEMPTS": "0"}).returncode == 0
+
+
+def test_five_preemptions_spend_nothing_and_stop_nothing(tmp_path):
+    for _ in range(5):
+        env = begin(tmp_path)
+        run(tmp_path, "stopped", env=env)
+        end_attempt(tmp_path, 143, lambda run_id: evidence(host="w-0", run_id=run_id, step=None), env=env)
+    sixth = run(tmp_path, "begin")
+    assert sixth.returncode == 0 and "attempt 6 (0 of 3 failures used, 5 preemptions)" in sixth.stderr
+
+
+def test_a_program_that_reports_no_steps_is_stopped_by_its_budget_not_by_no_progress(tmp_path):
+    for _ in range(4):
+        end_attempt(tmp_path, 1)
+    spent = run(tmp_path, "begin", env={podstate.STATE_DIR_ENV: str(tmp_path / "ranks")})
+    assert spent.returncode == attempts.NOT_RETRIED and "failure budget spent: 4 failed attempts" in spent.stderr
+    assert json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())["cause"] == "budget-spent"
+
+
+def test_hostile_evidence_is_typed_and_bounded():
+    good = evidence(host="w", run_id="run-0001-a", status=1, step=3,
+                    ends=[end_record("run-0001-a", 0, "w", "program-error", "x" * 5000, 3, 1.0)])
+    assert podstate.valid_host_evidence(good)["ends"][0]["line"] == "x" * 1000
+    for bad in ({**good, "v": 99}, {**good, "status": "rm -rf"}, {**good, "step": True}, {**good, "ends": "x"},
+                {**good, "ends": [{"v": 1, "cause": "completed", "rank": 0, "time": 1}]}, [], None):
+        checked = podstate.valid_host_evidence(bad)
+        assert checked is None or (checked["status"] is None or isinstance(checked["status"], int)) and \
+            all(e["cause"] in podstate.RANK_CAUSES for e in checked["ends"]) and \
+            (checked["step"] is None or isinstance(checked["step"], int) and not isinstance(checked["step"], bool))
+    record = podstate.valid_end_record({"v": 1, "run": "r\x1b[2J", "rank": 0, "host": "h\u202e", "cause":
+                                        "collective-timeout", "line": "a\nb", "step": -1, "time": 5})
+    assert record["run"] == "r [2J" and record["host"] == "h " and record["line"] == "a b" and record["step"] is None
+
+
+def test_an_oom_kill_a_hosts_memory_cgroup_counted_is_the_cause_and_only_in_the_attempt_it_happened(tmp_path):
+    """The kernel's OOM killer ends a rank (SIGKILL: its node's launcher exits 247); the container's memory cgroup
+    counts it (oom_kill), which the host's evidence carries: the attempt is oom-killed, not a plain SIGKILL; the
+    next attempt, with the count unchanged, is not; the same OOM twice in a row stops the job."""
+    def host(kills, step, status=247):
+        return lambda run_id: {**evidence(host="w-1", run_id=run_id, status=status, step=step), "oom_kills": kills}
+    budget = {"DS_RUN_RETRIES": "9"}
+
+    def attempt(kills, step):
+        env = {**dict(line.split("=", 1) for line in run(tmp_path, "begin", env=budget).stdout.splitlines()), **budget}
+        return end_attempt(tmp_path, 1, host(kills, step), env=env)
+    first = attempt(1, 10)
+    assert first["cause"] == "oom-killed" and "container of w-1 (1 kill)" in first["reason"], first
+    second = attempt(1, 20)  # the same container, no new kill: a plain SIGKILL (kill -9)
+    assert second["cause"] == "program-error" and "killed by SIGKILL" in second["reason"], second
+    assert attempt(0, 30)["cause"] == "program-error"  # a new container (its count restarted), not killed
+    assert attempt(1, 40)["cause"] == "oom-killed"
+    assert attempt(2, 40)["cause"] == "oom-killed"
+    stopped = run(tmp_path, "begin", env=budget)
+    assert stopped.returncode == attempts.NOT_RETRIED and "the same error at step 40 in attempts 4 and 5 (oom-killed: " \
+        "the kernel's OOM killer ended a process)" in stopped.stderr, stopped.stderr
+
+
+def test_the_evidence_command_reads_this_hosts_records_of_that_run_only(tmp_path):
+    state = tmp_path / "ranks"
+    state.mkdir()
+    for rank, run_id in ((0, "run-0002-job1"), (1, "run-0001-job1")):
+        (state / f"end-{rank}.json").write_text(json.dumps(end_record(run_id, rank, "w", "program-error", "boom", 7,
+                                                                      1.0)))
+    (state / "end-2.json").symlink_to(state / "end-0.json")  # a link is not followed
+    (state / "progress.json").write_text(json.dumps({"run": "run-0002-job1", "step": 9}))
+    printed = run(tmp_path, "evidence", "run-0002-job1", env={podstate.STATE_DIR_ENV: str(state)})
+    found = json.loads(printed.stdout)
+    assert podstate.valid_host_evidence(found) == found
+    assert [e["rank"] for e in found["ends"]] == [0] and found["step"] == 9 and found["run"] == "run-0002-job1"
+    assert run(tmp_path, "evidence", "../../x", env={podstate.STATE_DIR_ENV: str(state)}).stdout == ""

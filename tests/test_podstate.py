@@ -29,8 +29,8 @@ def test_the_charts_copies_are_the_owners_and_every_pod_script_reads_them():
     for script in ("launcher.sh", "nossh-worker.sh", "kill-ranks.sh"):
         assert "/generated/podstate.sh\"" in (FILES / script).read_text(), script
     shell = subprocess.run(["bash", "-c", f"source {FILES}/generated/podstate.sh; echo $NOTHING_TO_SAVE_STATES "
-                            "$EXIT_BUDGET_SPENT $EXIT_STOPPED"], capture_output=True, text=True, check=True)
-    assert shell.stdout.split() == [*podstate.NOTHING_TO_SAVE_STATES, str(podstate.EXIT_BUDGET_SPENT),
+                            "$EXIT_NOT_RETRIED $EXIT_STOPPED"], capture_output=True, text=True, check=True)
+    assert shell.stdout.split() == [*podstate.NOTHING_TO_SAVE_STATES, str(podstate.EXIT_NOT_RETRIED),
                                     str(podstate.EXIT_STOPPED)]
 
 

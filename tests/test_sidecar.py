@@ -160,7 +160,9 @@ def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended
     fields = sidecar.job_fields(verdict, rank0)
     assert sidecar.summary({**rank0, **fields}) == (
         "training | step 120/300 (40.0%) | loss 0.4064 | 6,100 tokens/s | mfu 41.2% | eta 0:00:18 | checkpoint at "
-        "step 100 | attempt 2 (1 of 2 failures used, 0 preemptions) | attempt 1 ended with status 1")
+        "step 100 | attempt 2 (1 of 2 failures used, 0 preemptions) | attempt 1 ended: program-error: exit status 1 "
+        "(no rank said why: the ranks' log has it)")
+    assert fields["cause"] == "program-error" and fields["history"] == "1 program-error (0s)", fields
     # With a bucket: node 0's uploader says where the bucket stands and how far it is behind the volume.
     uploads = sidecar.upload_fields({"committed_step": 80, "lag_steps": 20, "error": "x"})
     assert uploads == {"bucketStep": "80", "uploadLagSteps": "20"}
@@ -171,7 +173,15 @@ def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended
     assert sidecar.job_fields(verdict, stale)["state"] == "starting"
     ledger(state_dir, "end 0", tmp=tmp_path, **second)
     done = sidecar.job_fields(json.loads((state_dir / podstate.VERDICT).read_text()), rank0)
-    assert done["state"] == "done" and "ended with status" not in sidecar.summary({**rank0, **done})
+    assert done["state"] == "done" and "ended:" not in sidecar.summary({**rank0, **done})
+    assert (done["cause"], done["history"]) == ("completed", "1 program-error (0s); 2 completed (0s)"), done
+    # Hostile history entries (the ledger runs in the tenant's image) are dropped or bounded, never published raw.
+    hostile = [{"attempt": 1, "cause": "hang\x1b[2J"}, {"attempt": True, "cause": "hang"},
+               {"attempt": 3, "cause": "hang", "step": "1e999", "seconds": -5, "culprit": "r\u202e" * 400}, "x"]
+    assert sidecar.history_entries(hostile) == [{"attempt": 3, "cause": "hang", "culprit": "r " * 150}]
+    assert sidecar.history_line(sidecar.history_entries(hostile)) == "3 hang"
+    assert sidecar.history_entries("hang") == []
+    assert [e["cause"] for e in json.loads(done["attempts"])] == ["program-error", "completed"]
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", "not json", '{"step": "1e999", "loss": "x" }', '{"state": 7}',

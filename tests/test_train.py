@@ -24,7 +24,7 @@ from tests.support.train_run import (
     stop_with_stacks,
     write_ds_config,
 )
-from train import checkpoint
+from train import checkpoint, podstate
 
 
 def losses(ckpt_dir) -> dict[int, float]:
@@ -176,9 +176,14 @@ def test_a_full_checkpoint_volume_stops_every_rank_in_one_line_and_the_last_comm
     ds_config, reference = uninterrupted
     tag_bytes = sum(p.stat().st_size for p in (reference / "step_00000008").rglob("*") if p.is_file())
     ckpt = small_volume(tag_bytes * 3 // 2)  # room for one tag, not for the next beside it
+    state = tmp_path / "state"
     result = run_train(["--ds-config", str(ds_config), "--steps", "100", "--checkpoint-every", "2",
-                        "--checkpoint-dir", str(ckpt), *TINY])
+                        "--checkpoint-dir", str(ckpt), *TINY],
+                       env_extra={podstate.STATE_DIR_ENV: str(state), "DS_RUN_ID": "run-0001-test"})
     assert result.returncode == 2, result.stdout[-4000:]
+    # Every rank that hit it says so to the ledger: storage-error, not a configuration error.
+    ends = [json.loads(p.read_text()) for p in state.glob("end-*.json")]
+    assert ends and {e["cause"] for e in ends} == {"storage-error"} and all("step_00000004" in e["line"] for e in ends)
     # torch.save's zip writer reports the full disk as a RuntimeError: the volume's room says what it was.
     assert re.search(rf"ERROR checkpoint {ckpt}/step_00000004: writing it failed \(.+\) on the checkpoint volume "
                      rf"{ckpt} \(full: [\d.]+ MiB free of [\d.]+ MiB\); nothing of it is resumed from\n",
@@ -317,3 +322,27 @@ def test_a_run_past_its_time_is_stopped_with_each_ranks_stack(tmp_path):
     out = stop_with_stacks(process)
     assert "Fatal Python error: Aborted" in out and "Current thread" in out, out[-3000:]
     assert "in init_process_group" in out, out[-3000:]  # the frame it was blocked in
+
+
+def test_a_non_finite_loss_ends_the_attempt_before_its_state_is_saved_and_says_so_to_the_ledger(tmp_path):
+    """A learning rate that blows the weights up: the mean loss turns NaN (or inf) at some step; every rank stops
+    there (they share the mean), before the checkpoint of that step, with one line and an end record (loss-nan).
+    stop_on_nonfinite_loss: false trains on."""
+    ds_config = write_ds_config(tmp_path, cpu_ds_config(optimizer={"type": "AdamW", "params": {
+        "lr": 1e30, "weight_decay": 0.0, "torch_adam": True}}, gradient_clipping=0.0))
+    state, ckpt = tmp_path / "state", tmp_path / "ckpt"
+    args = ["--ds-config", str(ds_config), "--steps", "12", "--checkpoint-every", "1", "--log-every", "1",
+            "--checkpoint-dir", str(ckpt), "--checkpoint-background", "false", *TINY]
+    result = run_train(args, env_extra={podstate.STATE_DIR_ENV: str(state), "DS_RUN_ID": "run-0001-test"})
+    assert result.returncode == 1, result.stdout[-4000:]
+    found = re.search(r"ERROR loss is (nan|inf) at step (\d+) \(the mean over ranks\): stopped before saving this "
+                      r"state", result.stdout)
+    assert found and "Traceback" not in result.stdout, result.stdout[-4000:]
+    bad = int(found[2])
+    ends = [json.loads(p.read_text()) for p in sorted(state.glob("end-*.json"))]
+    assert [(e["rank"], e["cause"], e["step"]) for e in ends] == [(0, "loss-nan", bad), (1, "loss-nan", bad)], ends
+    assert not (ckpt / checkpoint.tag_for(bad)).exists()  # the NaN state was never saved
+    if bad > 1:
+        assert (ckpt / "latest").read_text() == checkpoint.tag_for(bad - 1)
+    on = run_train([*args, "--stop-on-nonfinite-loss", "false", "--checkpoint-dir", str(tmp_path / "on")])
+    assert on.returncode == 0 and "INFO done: 12 steps" in on.stdout, on.stdout[-3000:]

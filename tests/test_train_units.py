@@ -149,6 +149,54 @@ def test_tokenizer_round_trips_text():
     assert decode(tokens) == text
 
 
+PROGRAM_THAT_RAISES = """
+import sys
+from train import rankstate
+rankstate.report("starting")
+rankstate.beat(5)
+raise {error}
+"""
+
+
+@pytest.mark.parametrize("error, cause, line", [
+    ("ZeroDivisionError('division by zero')", "program-error", "ZeroDivisionError: division by zero"),
+    ("RuntimeError('[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv "
+     "operation to complete')", "collective-timeout", "RuntimeError: [../third_party/gloo/gloo/transport/tcp/"
+     "unbound_buffer.cc:81] Timed out waiting 60000ms for recv operation to complete"),
+    ("TimeoutError('the data loader timed out')", "program-error", "TimeoutError: the data loader timed out"),
+])
+def test_a_programs_uncaught_exception_is_its_end_record_and_python_still_prints_it(tmp_path, error, cause, line):
+    """Any program that reports through rankstate (the Trainer callback, a bring-your-own loop) leaves its last
+    line for the ledger: rankstate's excepthook runs before Python's own, which still prints the traceback."""
+    import subprocess
+    import sys
+
+    from train import podstate
+    state = tmp_path / "ranks"
+    result = subprocess.run([sys.executable, "-c", PROGRAM_THAT_RAISES.format(error=error)], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1], timeout=60,
+                            env={**os.environ, podstate.STATE_DIR_ENV: str(state), "RANK": "3",
+                                 "DS_RUN_ID": "run-0002-abc"})
+    assert result.returncode == 1 and "Traceback" in result.stderr and line in result.stderr, result.stderr
+    record = json.loads((state / podstate.END_RECORD.format(rank=3)).read_text())
+    assert podstate.valid_end_record(record) == record
+    assert (record["run"], record["rank"], record["cause"], record["line"], record["step"]) == \
+        ("run-0002-abc", 3, cause, line, 5), record
+
+
+def test_the_first_end_record_of_a_run_wins(tmp_path, monkeypatch):
+    """A rank that said why it ends (a NaN loss) and then fails in its teardown keeps its first word."""
+    from train import podstate, rankstate
+    monkeypatch.setenv(podstate.STATE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("DS_RUN_ID", "run-0001-a")
+    rankstate.fail("loss-nan", "loss is nan at step 3")
+    rankstate.record_exception(RuntimeError("Connection closed by peer"))
+    assert json.loads((tmp_path / "end-0.json").read_text())["cause"] == "loss-nan"
+    monkeypatch.setenv("DS_RUN_ID", "run-0002-a")  # the next attempt's own word
+    rankstate.record_exception(RuntimeError("Connection closed by peer"))
+    assert json.loads((tmp_path / "end-0.json").read_text())["line"] == "RuntimeError: Connection closed by peer"
+
+
 def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_path, monkeypatch):
     from train import podstate, rankstate
     monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))

@@ -1,5 +1,6 @@
 import traceback
 
+from train import rankstate
 from train.main import exit_cleanly, main
 
 # Everything is written and committed by now (main() tears the process group down itself).
@@ -7,7 +8,8 @@ try:
     status = main()
 except SystemExit as stop:
     status = stop.code if isinstance(stop.code, int) else 1
-except BaseException:  # e.g. a collective failed because a peer died: say why and leave at once, since the
-    traceback.print_exc()  # interpreter's own teardown with torch loaded takes seconds the retry is waiting for
+except BaseException as error:  # e.g. a collective failed because a peer died: say why and leave at once, since
+    rankstate.record_exception(error)  # the interpreter's own teardown with torch loaded takes seconds the retry
+    traceback.print_exc()  # is waiting for; the ledger gets its last line
     status = 1
 exit_cleanly(status)

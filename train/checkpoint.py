@@ -55,6 +55,11 @@ class CheckpointError(RuntimeError):
     """The checkpoint dir cannot be used as asked; names the dir and what is wrong."""
 
 
+class StorageError(CheckpointError):
+    """Writing a checkpoint failed on this rank's volume (full, read-only, gone): the attempt's cause is
+    storage-error."""
+
+
 def storage_for(workers: int, shared_claim: bool) -> str:
     """The storage of a chart release: per-worker when several workers have no shared claim (their per-pod
     volumes: an emptyDir, a StatefulSet's claim per worker, an ephemeral volume). The chart's
@@ -303,7 +308,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, writer: "Snapsho
         if writer is None:
             fsync_tree(tag_dir)
     except OSError as err:
-        raise CheckpointError(disk_error(ckpt_dir, tag, err)) from None
+        raise StorageError(disk_error(ckpt_dir, tag, err)) from None
     return tag
 
 
@@ -478,7 +483,7 @@ class Checkpointer:
         self.in_flight = None
         if state.item() < 0:
             tag = tag_for(step)
-            raise CheckpointError(disk_error(self.ckpt_dir, tag, error) if error else
+            raise StorageError(disk_error(self.ckpt_dir, tag, error) if error else
                                   f"checkpoint {self.ckpt_dir / tag}: writing it failed on another rank (that rank's "
                                   "line says why); nothing of it is resumed from")
         self._commit(step, started, size=future.result(), stall=stall)

@@ -68,6 +68,9 @@ class TrainConfig:
                                       "host memory (as much as this rank's part of a checkpoint), a thread writes "
                                       "it, and the checkpoint counts once every rank's copy is durable. false: the "
                                       "steps wait for the write.", True)
+    stop_on_nonfinite_loss: bool = doc("End the attempt when the mean loss is NaN or infinite, before any checkpoint "
+                                       "of that state is saved (its cause: loss-nan; the same NaN at the same step "
+                                       "after the resume stops the job). false: train on.", True)
     seed: int = doc("Seed of the model initialisation.", 0)
     reset_optimizer: bool = doc("On resume, load the model weights, step and data position only: optimizer and "
                                 "lr-scheduler state start afresh from the ds_config (to change the optimizer type, the "

@@ -1,6 +1,7 @@
 """The training loop: set up DeepSpeed, resume, train, log on rank 0, checkpoint on all ranks, tear down."""
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -37,6 +38,10 @@ def init_logger(rank: int) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False
+
+
+class NonFiniteLoss(Exception):
+    """The mean loss is NaN or infinite (stop_on_nonfinite_loss): the attempt ends before the state is saved."""
 
 
 class StopFlag:
@@ -218,6 +223,10 @@ def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: St
         step_loss, position = train_step(engine, inputs, position)
         loss, stopping, compute = agree(step_loss, stop, clock.compute_s() if clock else 0.0, rank, world_size)
         report.step(step, loss, engine.get_lr()[0], compute, stopping, engine)
+        if cfg.stop_on_nonfinite_loss and not math.isfinite(loss):  # every rank has the same mean: all stop here
+            last = f"; the last checkpoint is step {saver.last_saved}" if saver and saver.last_saved else ""
+            raise NonFiniteLoss(f"loss is {loss} at step {step} (the mean over ranks): stopped before saving this "
+                                f"state{last} (stop_on_nonfinite_loss: false trains on)")
         saved = saver.save(step, {"step": step, "data_position": position}, last_step=step == cfg.steps,
                            stopping=stopping) if saver else None
         if saved:
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = check_inputs(cfg, rank, world_size)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))
-        return 2
+        rankstate.fail("config-error", str(err))
+        return podstate.EXIT_CONFIG_ERROR
     # DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes, the chart's deepspeed.collectiveTimeoutMinutes.
     deepspeed.init_distributed(timeout=default_pg_timeout)
     status = 1
@@ -256,9 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_world_size() != world_size:
             raise ConfigError(f"WORLD_SIZE {world_size} but the process group has {dist.get_world_size()} ranks")
         status = train(cfg, inputs, dist.get_rank(), world_size, stop)
+    except NonFiniteLoss as err:
+        logger.error(str(err))
+        rankstate.fail("loss-nan", str(err))
+        status = 1  # retried: a NaN that recurs at the same step after the resume stops the job (the ledger)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's
-        status = 2
+        rankstate.fail("storage-error" if isinstance(err, checkpoint.StorageError) else "config-error", str(err))
+        status = podstate.EXIT_CONFIG_ERROR
     finally:
         # Leaving without tearing the process group down can abort the process after training.
         if torch.distributed.is_initialized():

@@ -18,17 +18,23 @@ its writer -> its readers: its format:
   (GOODPUT_BUCKETS, GOODPUT_TOTALS), the attempt counter (COUNTER_KEYS), `time`.
 - `verdict.json` (VERDICT): the ledger's owner (attempts.py; ssh: the launcher, nossh: worker 0) -> the sidecar: JSON:
   `v`, state (LEDGER_STATES), reason, culprit, the attempt counter, `time`.
-- `hang-<run>.txt`, `hang-<run>.json` (HANG_TEXT, HANG_JSON): watchdog.py -> the pod's log; the ledger's owner, which
-  collects every host's JSON (ssh: pdsh; nossh: the start barrier) into `hosts/` (HOST_REPORTS) and merges them
-  (merge_hang_reports): one HangReport (hang_report).
+- `hang-<run>.txt`, `hang-<run>.json` (HANG_TEXT, HANG_JSON): watchdog.py -> the pod's log; attempts.py `evidence`,
+  which sends the JSON (one HangReport, hang_report) to the ledger's owner in the host's evidence (host_evidence; ssh:
+  pdsh; nossh: the start barrier), kept in `hosts/` (HOST_REPORTS) and merged with the other hosts'
+  (merge_hang_reports).
 - `attempt.env` (ATTEMPT_ENV_FILE): gang-barrier.py (nossh) -> nossh-worker.sh: KEY=VALUE lines of ATTEMPT_ENV.
+- `end-<rank>.json` (END_RECORD): a rank that ends on an error it can name (rankstate.fail: an uncaught exception,
+  a non-finite loss, a failed checkpoint write, a refused configuration) -> attempts.py `evidence` on its host, which
+  sends it to the ledger's owner with the host's hang report (ssh: pdsh; nossh: the start barrier): an EndRecord
+  (end_record: v, run, rank, host, cause, line, step, time).
 
 Every reader in the sidecar (the only container with a token) reads these through StateDir: no symlink is followed,
 only regular files are read, and every read is bounded. What the tenant's containers write there is untrusted data.
 
 Env: STATE_DIR_ENV; the attempt's (ATTEMPT_ENV: attempts.py gives them to every rank); PROTOCOL_ENV, which the chart
 sets to the chart's VERSION. Exit statuses: EXIT_CONFIG_ERROR (2: a configuration error, never retried),
-EXIT_BUDGET_SPENT (3: the job's failure budget is spent), EXIT_STOPPED (143: stopped by SIGTERM, a preemption).
+EXIT_NOT_RETRIED (3: the ledger stopped the job: its failure budget spent, the same error twice, no progress),
+EXIT_STOPPED (143: stopped by SIGTERM, a preemption).
 Run IDs: run_id(attempt, job) / parse_run_id(run).
 """
 
@@ -68,6 +74,8 @@ VERDICT = "verdict.json"
 HANG_TEXT = "hang-{run}.txt"
 HANG_JSON = "hang-{run}.json"
 HOST_REPORTS = "hosts"
+END_RECORD = "end-{rank}.json"
+END_RECORD_NAME = re.compile(r"end-[0-9]{1,10}\.json")
 ATTEMPT_ENV_FILE = "attempt.env"
 RANK_FILE = re.compile(r"[0-9]{1,10}")  # a rank's <pid>
 
@@ -93,8 +101,107 @@ PROTOCOL_ENV = "DS_PROTOCOL_VERSION"
 
 # ---- exit statuses
 EXIT_CONFIG_ERROR = 2
-EXIT_BUDGET_SPENT = 3
+EXIT_NOT_RETRIED = 3
 EXIT_STOPPED = 143
+
+# ---- why an attempt ended: one cause from this list per attempt (attempts.py's cause.json and verdict, the progress
+# ConfigMap's `cause`, the metric by cause), each decided by one component from the evidence it holds. The pods decide
+# from in-pod evidence (exit statuses, signals, the watchdogs' reports, the ranks' end records); what only the API
+# server knows (a container OOMKilled, a DisruptionTarget condition, a deleted pod, a lost node) is read by `make why`
+# with the person's own read access, which refines the pods' cause of that attempt: the pods' tokens stay narrow.
+# cause: (who decides, from what evidence, whether it spends the failure budget)
+CAUSES = {
+    "completed": ("the ledger's owner", "the program exited 0", "no"),
+    "preempted": ("every pod script, on SIGTERM (a stopped-* file)", "a SIGTERM during the attempt: an eviction, "
+                  "a spot reclaim, an upgrade, a pod deleted", "never"),
+    "hang": ("the watchdogs, merged by the ledger's owner", "a rank without a step within its budget; the culprit "
+             "by evidence (stopped, unresponsive, outside any collective, oldest beat)", "yes"),
+    "collective-timeout": ("the rank (its exception)", "a collective that timed out "
+                           "(deepspeed.collectiveTimeoutMinutes): a peer that never came", "yes"),
+    "program-error": ("the rank (its exception's last line), or the ledger's owner from an exit status (a rank "
+                      "killed by a signal)", "the program raised, or a rank died without a word", "yes"),
+    "config-error": ("the rank (exit status 2 and its line)", "bad arguments, inputs or layout", "stops the job"),
+    "loss-nan": ("the train package", "a non-finite mean loss, before any checkpoint of it is saved", "yes"),
+    "storage-error": ("the train package", "the local checkpoint volume failed (full, read-only); an unreachable "
+                      "bucket is upload lag, not an end", "stops the job"),
+    "budget-spent": ("the ledger", "more failed attempts than job.runRetries", "stops the job"),
+    "no-progress": ("the ledger", "job.noProgressAttempts failed attempts in a row without a new step",
+                    "stops the job"),
+    "oom-killed": ("the ledger's owner (a host's memory cgroup counted an OOM kill), make why (a container "
+                   "OOMKilled)", "the memory limit", "yes"),
+    "evicted": ("make why (DisruptionTarget, an Evicted pod)", "the eviction API or node pressure", "never"),
+    "pod-deleted": ("make why (a deleted pod)", "someone or something deleted a pod", "never"),
+    "node-lost": ("the ledger (an owner's pod that recorded nothing), make why (a node NotReady, DisruptionTarget)",
+                  "the node went away, or a pod was killed outright", "yes"),
+}
+RANK_CAUSES = ("program-error", "collective-timeout", "config-error", "loss-nan", "storage-error")  # in end records
+# The same error of these causes at the same step in two failed attempts in a row stops the job (deterministic).
+REPEATABLE_CAUSES = ("program-error", "loss-nan", "storage-error", "collective-timeout", "oom-killed")
+HISTORY = 10  # attempts the verdict's history keeps
+
+
+def exit_signal(status: int) -> int | None:
+    """The signal that killed a rank, from an exit status: 128+N (a shell's), or 256-N (Python's sys.exit(-N),
+    DeepSpeed's launcher passing on a rank's returncode -N); None for a plain exit."""
+    if 192 < status < 256:
+        return 256 - status
+    if 128 < status <= 192:
+        return status - 128
+    return None
+
+
+def classify_exception(type_name: str, message: str) -> str:
+    """A rank's uncaught exception as a cause: a collective that timed out (gloo: "Timed out waiting ... for recv",
+    NCCL's watchdog: "Watchdog caught collective operation timeout", torch's DistBackendError, a store's
+    DistStoreError timeout), or any other program error."""
+    text = f"{type_name} {message}"
+    if re.search(r"(?i)timed? ?out|timeout", text) and re.search(
+            r"(?i)gloo|nccl|collective|watchdog|Dist(Backend|Store|Network)?Error|ProcessGroup|c10d", text):
+        return "collective-timeout"
+    return "program-error"
+
+
+def end_record(run: str, rank: int, host: str, cause: str, line: str, step: int | None, time_: float) -> dict:
+    """What a rank says of its own end (END_RECORD): an EndRecord."""
+    return {"v": VERSION, "run": clean(run, 64), "rank": int(rank), "host": clean(host, 253),
+            "cause": cause if cause in RANK_CAUSES else "program-error", "line": clean(line, 1000),
+            "step": step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**15 else None,
+            "time": time_}
+
+
+def valid_end_record(record) -> dict | None:
+    """`record` typed and bounded (a tenant's container wrote it), or None."""
+    if not isinstance(record, dict) or record.get("v") != VERSION or record.get("cause") not in RANK_CAUSES:
+        return None
+    rank, moment = record.get("rank"), number(record.get("time"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 10**7 or moment is None:
+        return None
+    return end_record(str(record.get("run", "")), rank, str(record.get("host", "")), record["cause"],
+                      str(record.get("line", "")), record.get("step"), moment)
+
+
+def host_evidence(host: str, run: str, status: int | None, hang: dict | None, ends: list[dict],
+                  step: int | None, oom_kills: int | None = None) -> dict:
+    """What one host knows of how an attempt ended (attempts.py `evidence`): its DeepSpeed launcher's exit status
+    (nossh; ssh has pdsh's), its watchdog's HangReport, its ranks' EndRecords, the last step it saw and the OOM kills
+    its memory cgroup has counted (since the container started)."""
+    return {"v": VERSION, "kind": "evidence", "host": clean(host, 253), "run": clean(run, 64),
+            "status": status, "hang": hang, "ends": ends, "step": step, "oom_kills": oom_kills}
+
+
+def valid_host_evidence(evidence) -> dict | None:
+    """`evidence` typed and bounded (a worker sent it), or None."""
+    if not isinstance(evidence, dict) or evidence.get("v") != VERSION or evidence.get("kind") != "evidence":
+        return None
+    status, step, kills = evidence.get("status"), evidence.get("step"), evidence.get("oom_kills")
+    ends = [e for e in (valid_end_record(r) for r in (evidence.get("ends") or [])[:64]
+                        if isinstance(evidence.get("ends"), list)) if e]
+    return host_evidence(str(evidence.get("host", "")), str(evidence.get("run", "")),
+                         status if isinstance(status, int) and not isinstance(status, bool) and 0 <= status < 256
+                         else None,
+                         valid_hang_report(evidence.get("hang")) if evidence.get("hang") else None, ends,
+                         step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**15 else None,
+                         kills if isinstance(kills, int) and not isinstance(kills, bool) and 0 <= kills < 10**9 else None)
 
 # ---- bounds of what a reader takes in
 MAX_RECORD_BYTES = 64 * 1024  # progress.json, verdict.json, a HangReport
@@ -390,7 +497,7 @@ def chart_constants() -> dict:
     """files/generated/podstate.json: what the chart's templates need of this module (the Job's failure policy, the
     version the chart's scripts speak)."""
     return {"version": VERSION, "protocolEnv": PROTOCOL_ENV, "exitConfigError": EXIT_CONFIG_ERROR,
-            "exitBudgetSpent": EXIT_BUDGET_SPENT, "exitStopped": EXIT_STOPPED, "stateDirEnv": STATE_DIR_ENV,
+            "exitNotRetried": EXIT_NOT_RETRIED, "exitStopped": EXIT_STOPPED, "stateDirEnv": STATE_DIR_ENV,
             "jobDir": JOB_DIR, "attempts": ATTEMPTS, "jobIdFile": JOB_ID_FILE}
 
 
@@ -398,8 +505,8 @@ def shell_constants() -> str:
     """files/generated/podstate.sh: what the bash pod scripts need of this module, as shell variables."""
     values = {"PODSTATE_VERSION": VERSION, "NOTHING_TO_SAVE_STATES": " ".join(NOTHING_TO_SAVE_STATES),
               "STATE_TRAINING": "training", "EXIT_CONFIG_ERROR": EXIT_CONFIG_ERROR,
-              "EXIT_BUDGET_SPENT": EXIT_BUDGET_SPENT, "EXIT_STOPPED": EXIT_STOPPED,
-              "HANG_TEXT_PATTERN": HANG_TEXT.format(run="%s"), "HANG_JSON_PATTERN": HANG_JSON.format(run="%s"),
+              "EXIT_NOT_RETRIED": EXIT_NOT_RETRIED, "EXIT_STOPPED": EXIT_STOPPED,
+              "HANG_TEXT_PATTERN": HANG_TEXT.format(run="%s"),
               "ATTEMPT_ENV_FILE": ATTEMPT_ENV_FILE}
     lines = [f"{name}={json.dumps(str(value))}" for name, value in values.items()]
     return "\n".join(["# shellcheck disable=SC2034 # read by the scripts that source it", *lines]) + "\n"

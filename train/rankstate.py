@@ -26,6 +26,9 @@ step and step time (from report() and, every PUBLISH_EVERY_S at most, beat()), t
 give every rank (DS_ATTEMPT, ...), and whatever the program adds with `publish(...)` (steps, loss, tokens_per_s,
 mfu, eta_s, checkpoint_step, ...). The chart's progress sidecar (files/sidecar.py) puts it into the
 <release>-progress ConfigMap and serves it, with every rank's state line, as Prometheus metrics.
+Why a rank ended, for the ledger: `fail(cause, line)` writes this rank's END_RECORD (the cause, one line, its last
+step), which the chart's pod scripts take to the ledger's owner; an uncaught exception does it by itself (the hook is
+installed at the first report(); the train package calls record_exception() from its own handler).
 The protocol's words, files and signal are train/podstate.py's, which the chart's pod scripts read from their copy.
 """
 
@@ -33,9 +36,11 @@ import faulthandler
 import json
 import math
 import os
+import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from train import podstate
@@ -61,6 +66,53 @@ _publishing = False  # publish() is writing: a signal handler's report() in betw
 def _path() -> Path | None:
     directory = os.environ.get(podstate.STATE_DIR_ENV)
     return Path(directory) / str(os.getpid()) if directory else None
+
+
+def fail(cause: str, line: str) -> None:
+    """This rank's end record (podstate.END_RECORD): why it is about to end (one of podstate.RANK_CAUSES), in one
+    line, at its last step. The first one written wins (a teardown's error after it is a consequence). Nothing
+    without DS_RANK_STATE_DIR; errors are ignored."""
+    directory = os.environ.get(podstate.STATE_DIR_ENV)
+    if not directory:
+        return
+    path = Path(directory) / podstate.END_RECORD.format(rank=int(_rank()) if _rank().isdigit() else 0)
+    record = podstate.end_record(os.environ.get(podstate.ATTEMPT_ENV["run"], ""), int(_rank()) if _rank().isdigit()
+                                 else 0, socket.gethostname(), cause, line, _last_step, time.time())
+    try:
+        if path.exists() and json.loads(path.read_text()).get("run") == record["run"]:
+            return
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        podstate.atomic_write(path, json.dumps(record))
+    except OSError:
+        pass
+
+
+def record_exception(error: BaseException) -> None:
+    """An exception that ends this rank, as its end record: the exception's last line (`Type: message`)."""
+    if isinstance(error, (SystemExit, KeyboardInterrupt)):
+        return
+    last = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
+    line = last[-1] if last else type(error).__name__
+    fail(podstate.classify_exception(type(error).__name__, str(error)), line)
+
+
+def _excepthook(kind, error, tb) -> None:
+    record_exception(error)
+    _previous_excepthook(kind, error, tb)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _install_excepthook() -> None:
+    """Once: a program's uncaught exception is recorded before Python prints it (chained: its own hook still runs)."""
+    global _previous_excepthook
+    if sys.excepthook is not _excepthook:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
 
 
 def _install_stack_dump(path: Path) -> None:
@@ -106,6 +158,7 @@ def report(state: str, step: int | None = None) -> None:
     if path is None:
         return
     _check_version()
+    _install_excepthook()
     fields = [state, f"rank={_rank()}", *([f"step={step}"] if step is not None else []),
               *([f"step_s={_step_s:.3f}"] if _step_s else []), f"v={podstate.VERSION}"]
     publish(state=state, step=step)

@@ -73,9 +73,13 @@ def test_nossh_a_killed_rank_fails_every_rank_and_a_spent_budget_ends_every_work
         codes = [wait(p, timeout=60 + 60) for p in processes]
         failed_after = time.monotonic() - killed_at
         log0, log1 = worker0.log(), worker1.log()
-        assert codes == [attempts.BUDGET_SPENT] * 2, log0[-4000:] + log1[-3000:]
+        assert codes == [attempts.NOT_RETRIED] * 2, log0[-4000:] + log1[-3000:]
         assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in log0
-        assert "worker 0 says the job's failure budget is spent" in log1
+        # The cause, from worker 1's evidence at the barrier (its launcher's status: the rank's SIGKILL), not worker
+        # 0's ranks' errors that followed from it.
+        assert f"the last ended: attempt 1 ended: program-error: a rank on {worker1.hostname} was killed by SIGKILL" \
+            in log0, log0[-3000:]
+        assert "worker 0 says the job stops (budget-spent: its log says why)" in log1
         assert failed_after < 60 + 30, f"the run took {failed_after:.0f}s to fail everywhere"
 
 

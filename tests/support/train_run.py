@@ -189,16 +189,17 @@ class Ranks:
         return self._rest[0], None
 
 
-def launch_argv_env(args: list[str], ranks: int = 2) -> list[tuple[list[str], dict]]:
-    """Each rank's (arguments, env), as DeepSpeed's launcher gives them on one node."""
+def launch_argv_env(args: list[str], ranks: int = 2, env_extra: dict | None = None) -> list[tuple[list[str], dict]]:
+    """Each rank's (arguments, env), as DeepSpeed's launcher gives them on one node (and `env_extra`: what the
+    chart's pod scripts add, e.g. DS_RANK_STATE_DIR and DS_RUN_ID)."""
     env = {**train_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
-           "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+           "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1", **(env_extra or {})}
     return [([f"--local_rank={rank}", *args], {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             for rank in range(ranks)]
 
 
-def launch(args: list[str], ranks: int = 2) -> Ranks:
-    return Ranks(args, launch_argv_env(args, ranks))
+def launch(args: list[str], ranks: int = 2, env_extra: dict | None = None) -> Ranks:
+    return Ranks(args, launch_argv_env(args, ranks, env_extra))
 
 
 def stop_with_stacks(process: Ranks) -> str:
@@ -214,9 +215,10 @@ def stop_with_stacks(process: Ranks) -> str:
     return out
 
 
-def run_train(args: list[str], ranks: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_train(args: list[str], ranks: int = 2, timeout: float = 240, env_extra: dict | None = None
+              ) -> subprocess.CompletedProcess:
     """The whole run; stdout holds every rank's output."""
-    process = launch(args, ranks)
+    process = launch(args, ranks, env_extra)
     try:
         out, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

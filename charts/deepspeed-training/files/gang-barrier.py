@@ -3,16 +3,18 @@ of different attempts (a rank of a new attempt would otherwise join the rendezvo
 the failed one). A worker reaches the barrier only when its own ranks are gone; worker 0 serves it only
 between runs, so when everyone has joined, every rank of the previous run is gone.
 
-Worker 0 also owns the job's ledger of attempts (attempts.py): when everyone is here it records why the last
-attempt ended from every worker's hang report (each brings its own, if its watchdog found the last run hung), then
-begins the next attempt, or, when the job's failure budget is spent, ends every worker.
+Worker 0 also owns the job's ledger of attempts (attempts.py): when everyone is here it decides why the last
+attempt ended from every worker's evidence of it (each brings its own: its DeepSpeed launcher's exit status, its
+watchdog's hang report, its ranks' end records), then begins the next attempt, or, when a stop rule ends the job
+(the failure budget spent, the same error twice, no progress), ends every worker.
 
 Usage: gang-barrier.py INDEX PORT TIMEOUT_SECONDS HOST...   (the hostfile's hosts, worker 0 first)
-Worker 0 listens on PORT; the others connect, send "JOIN <index> [<hang report JSON>]" and wait for "GO KEY=VALUE...":
-the attempt's env (attempts.ENV_KEYS: its name DS_RUN_ID, for the hang watchdog's diagnostics/<run>, its number and
-budget used), which every worker writes to the state directory's attempt.env for its ranks; or for "END": the budget is
-spent. Exits 0 when all workers met, attempts.BUDGET_SPENT after END, 1 at the deadline naming the workers
-still missing. Standard library only: it runs before every attempt.
+Worker 0 listens on PORT; the others connect, send "JOIN <index> [<evidence JSON>]" and wait for "GO KEY=VALUE..."
+(the attempt's env: attempts.ENV_KEYS, its name DS_RUN_ID, for the hang watchdog's diagnostics/<run>, its number and
+budget used, which every worker writes to the state directory's attempt.env for its ranks) or "END <cause>" (a stop
+rule ends the job). DS_LAST_STATUS: this worker's last run's exit status (nossh-worker.sh), part of its evidence.
+Exits 0 when all workers met, attempts.NOT_RETRIED after END, 1 at the deadline naming the workers still missing.
+Standard library only: it runs before every attempt.
 """
 
 import json
@@ -28,7 +30,7 @@ import attempts  # beside this script
 import podstate  # the chart's copy of train/podstate.py (attempts.py put it on the path)
 
 LOG_EVERY_S = 5
-LINE_BYTES = podstate.MAX_RECORD_BYTES + 64  # a JOIN line, with its hang report
+LINE_BYTES = podstate.MAX_RECORD_BYTES + 64  # a JOIN line, with its evidence
 RETRY_S = 0.25  # a refused connection costs nothing; the run starts as soon as worker 0 listens
 
 
@@ -44,18 +46,16 @@ def record_attempt(env: dict[str, str]) -> None:
         Path(directory, podstate.ATTEMPT_ENV_FILE).write_text("".join(f"{k}={v}\n" for k, v in env.items()))
 
 
-def last_report() -> dict | None:
-    """This worker's hang report of its last run (the watchdog's), if it found that run hung."""
+def last_evidence() -> dict | None:
+    """This worker's evidence of its last run (attempts.evidence), with its exit status (DS_LAST_STATUS)."""
     directory = os.environ.get(podstate.STATE_DIR_ENV)
     if not directory:
         return None
-    state = podstate.StateDir(Path(directory))
-    found = state.read(podstate.ATTEMPT_ENV_FILE, 4096)
+    found = podstate.StateDir(Path(directory)).read(podstate.ATTEMPT_ENV_FILE, 4096)
     env = dict(line.split("=", 1) for line in (found[0].decode(errors="replace") if found else "").splitlines()
                if "=" in line)
-    run = env.get(podstate.ATTEMPT_ENV["run"], "")
-    report = state.read_json(podstate.HANG_JSON.format(run=run)) if podstate.parse_run_id(run) else None
-    return podstate.valid_hang_report(report[0]) if report else None
+    status = os.environ.get("DS_LAST_STATUS", "")
+    return attempts.evidence(env.get(podstate.ATTEMPT_ENV["run"], ""), int(status) if status.isdigit() else None)
 
 
 def parse_go(words: list[str]) -> dict[str, str] | None:
@@ -79,7 +79,7 @@ def listen(port: int) -> socket.socket:
 def serve(port: int, deadline: float, hosts: list[str]) -> int:
     waiting = {i: host for i, host in enumerate(hosts) if i != 0}
     joined: dict[int, socket.socket] = {}
-    reports: dict[int, dict] = {}  # the workers' hang reports of the last run
+    reports: dict[int, dict] = {}  # the workers' evidence of the last run
     partial: dict[socket.socket, bytes] = {}
     server = listen(port)
     log(0, f"waiting up to {deadline - time.monotonic():.0f}s for {len(waiting)} workers on port {port}")
@@ -88,11 +88,11 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
         while True:
             missing = sorted(set(waiting) - set(joined))
             if not missing:
-                attempts.record_reports([r for r in (last_report(), *reports.values()) if r])
-                env, line = attempts.begin()
+                attempts.record_evidence([r for r in (last_evidence(), *reports.values()) if r])
+                env, line, cause = attempts.begin()
                 if env is not None:
                     record_attempt(env)
-                message = f"GO {' '.join(f'{k}={v}' for k, v in env.items())}\n" if env else "END\n"
+                message = f"GO {' '.join(f'{k}={v}' for k, v in env.items())}\n" if env else f"END {cause}\n"
                 for conn in joined.values():
                     try:
                         conn.sendall(message.encode())
@@ -100,7 +100,7 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
                         pass  # it left just now: the run's rendezvous will tell
                 if env is None:
                     log(0, line)
-                    return attempts.BUDGET_SPENT
+                    return attempts.NOT_RETRIED
                 log(0, f"all {len(hosts)} workers are here: starting the run, {line}")
                 return 0
             now = time.monotonic()
@@ -136,7 +136,7 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
                             joined[index].close()  # a reconnect of the same worker
                         joined[index] = sock
                         try:
-                            report = podstate.valid_hang_report(json.loads(line[2])) if len(line) == 3 else None
+                            report = podstate.valid_host_evidence(json.loads(line[2])) if len(line) == 3 else None
                         except ValueError:
                             report = None
                         if report:
@@ -156,7 +156,7 @@ def serve(port: int, deadline: float, hosts: list[str]) -> int:
 
 def join(index: int, port: int, deadline: float, host0: str) -> int:
     next_log, reason = time.monotonic() + LOG_EVERY_S, "not tried yet"
-    report = last_report()
+    report = last_evidence()
     hello = f"JOIN {index}" + (f" {json.dumps(report, separators=(',', ':'))}" if report else "") + "\n"
     while time.monotonic() < deadline:
         try:
@@ -170,9 +170,10 @@ def join(index: int, port: int, deadline: float, host0: str) -> int:
                         break
                     answer += data
                 words = answer.decode(errors="replace").split()
-                if words == ["END"]:
-                    log(index, "worker 0 says the job's failure budget is spent: failing the job")
-                    return attempts.BUDGET_SPENT
+                if words[:1] == ["END"]:
+                    cause = words[1] if len(words) == 2 and words[1] in podstate.CAUSES else "a stop rule"
+                    log(index, f"worker 0 says the job stops ({cause}: its log says why): failing the job")
+                    return attempts.NOT_RETRIED
                 env = parse_go(words)
                 if env is not None:
                     record_attempt(env)

@@ -63,15 +63,15 @@ while true; do
   run_in_background "$@"
   in_run=""
   log "DeepSpeed exited with status $rc"
-  if ((rc != 0)) && [[ "${DS_HANG_DETECTION:-off}" == on ]]; then
-    # What the workers' watchdogs found, if this run ended in a hang (nothing otherwise): the reports to this log,
-    # their records to the ledger, which names the culprit from all of them (attempts.py end).
-    # shellcheck disable=SC2059 # the patterns are the protocol's
+  if ((rc != 0)); then
+    # What every worker knows of how this run ended: its watchdog's report if the run hung (its text to this log),
+    # and its evidence (attempts.py evidence: the hang report, its ranks' end records, the last step) to the ledger,
+    # which decides the cause from all of them (attempts.py end). One pdsh round; the remote shell gets the
+    # protocol's paths and the run's ID, nothing else.
+    # shellcheck disable=SC2059 # the pattern is the protocol's
     printf -v hang_text "$HANG_TEXT_PATTERN" "$DS_RUN_ID"
-    # shellcheck disable=SC2059
-    printf -v hang_json "$HANG_JSON_PATTERN" "$DS_RUN_ID"
-    pdsh -S -w "$hosts" cat "$DS_RANK_STATE_DIR/$hang_text" "$DS_RANK_STATE_DIR/$hang_json" 2> /dev/null \
-      | python3 "$scripts_dir/attempts.py" collect || true
+    pdsh -S -w "$hosts" cat "$DS_RANK_STATE_DIR/$hang_text" ";" "DS_RANK_STATE_DIR=$DS_RANK_STATE_DIR" python3 \
+      "$scripts_dir/attempts.py" evidence "$DS_RUN_ID" 2> /dev/null | python3 "$scripts_dir/attempts.py" collect || true
   fi
   # DeepSpeed's tuner exits 0 also when every experiment failed: only its optimal config means it finished.
   if ((rc == 0)) && [[ -n "${DS_AUTOTUNING_RESULTS:-}" ]]; then

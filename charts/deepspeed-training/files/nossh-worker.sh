@@ -39,6 +39,7 @@ while true; do
   log "running ($DS_RUN_ID): $1 --node_rank=$node_rank ${*:2}"
   run_in_background "$1" "--node_rank=$node_rank" "${@:2}"
   log "DeepSpeed exited with status $rc"
+  export DS_LAST_STATUS="$rc"  # this worker's evidence for the ledger, sent with it to the next barrier
   if ((node_rank == 0)); then
     python3 "$scripts_dir/attempts.py" end "$rc"
   fi

@@ -30,6 +30,7 @@ Usage: sidecar.py [--configmap NAME] [--progress] [--job] [--metrics-port PORT] 
 """
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -48,8 +49,8 @@ FINAL_TRIES = 20  # after SIGTERM, 0.5 s apart: a slow API must not lose the las
 METRIC = "deepspeed_training"
 PROGRESS_KEYS = ("progressState", "step", "steps", "percent", "loss", "lr", "tokensPerSecond", "mfu", "eta",
                  "checkpointStep", "bucketStep", "uploadLagSteps", "goodput", "progressTime")
-JOB_KEYS = ("state", "reason", "culprit", "attempt", "failuresUsed", "failureBudget", "preemptions", "run",
-            "updated", "summary")
+JOB_KEYS = ("state", "cause", "reason", "culprit", "history", "attempts", "attempt", "failuresUsed", "failureBudget",
+            "preemptions", "run", "updated", "summary")
 NUMBERS = {"step": ("step", "{:.0f}"), "steps": ("steps", "{:.0f}"), "loss": ("loss", "{:.4f}"), "lr": ("lr", "{:.3e}"),
            "tokens_per_s": ("tokensPerSecond", "{:.0f}"), "mfu": ("mfu", "{:.1%}"),
            "checkpoint_step": ("checkpointStep", "{:.0f}")}
@@ -108,8 +109,13 @@ def job_fields(verdict: dict, rank0: dict[str, str]) -> dict[str, str]:
     if out["state"] == "starting" and rank0_state in podstate.STATES and rank0_time is not None \
             and rank0_time >= started:
         out["state"] = rank0_state
+    if verdict.get("cause") in podstate.CAUSES:
+        out["cause"] = verdict["cause"]
     if isinstance(verdict.get("reason"), str) and verdict["reason"]:
         out["reason"] = podstate.clean(verdict["reason"], 1000)
+    if (entries := history_entries(verdict.get("history"))):
+        out["history"] = history_line(entries)
+        out["attempts"] = json.dumps(entries, separators=(",", ":"))  # for `make why`: typed, bounded
     if isinstance(verdict.get("culprit"), str) and verdict["culprit"]:
         out["culprit"] = podstate.clean(verdict["culprit"], 300)
     for key, name in COUNTERS.items():
@@ -118,6 +124,40 @@ def job_fields(verdict: dict, rank0: dict[str, str]) -> dict[str, str]:
     if isinstance(verdict.get("run"), str) and podstate.parse_run_id(verdict["run"]):
         out["run"] = verdict["run"]
     return out
+
+
+def history_entries(entries) -> list[dict]:
+    """The ledger's last attempts (the verdict's history, written in the tenant's image), typed and bounded: each
+    {attempt, cause, step?, seconds?, ended?, culprit?}."""
+    if not isinstance(entries, list):
+        return []
+    out = []
+    for entry in entries[-podstate.HISTORY:]:
+        if not isinstance(entry, dict) or entry.get("cause") not in podstate.CAUSES:
+            continue
+        attempt = podstate.number(entry.get("attempt"))
+        if attempt is None or not 0 < attempt < 1e9:
+            continue
+        checked = {"attempt": int(attempt), "cause": entry["cause"]}
+        for key, top in (("step", 1e15), ("seconds", 1e9), ("ended", 1e11)):
+            if (value := podstate.number(entry.get(key))) is not None and 0 <= value < top:
+                checked[key] = int(value) if key == "step" else round(value, 1)
+        if isinstance(entry.get("culprit"), str) and entry["culprit"]:
+            checked["culprit"] = podstate.clean(entry["culprit"], 300)
+        out.append(checked)
+    return out
+
+
+def history_line(entries: list[dict]) -> str:
+    """history_entries() in one line: `1 hang at step 98 (2m03s); 2 completed at step 300 (41s)`."""
+    parts = []
+    for entry in entries:
+        part = f"{entry['attempt']} {entry['cause']}" + (f" at step {entry['step']}" if "step" in entry else "")
+        if "seconds" in entry:
+            minutes, secs = divmod(int(entry["seconds"]), 60)
+            part += f" ({minutes}m{secs:02d}s)" if minutes else f" ({secs}s)"
+        parts.append(part)
+    return "; ".join(parts)
 
 
 def summary(data: dict[str, str]) -> str:
@@ -319,6 +359,8 @@ METRICS = (
     ("failure_budget", "", "failed attempts the job may retry", "the ledger's owner", "failure_budget"),
     ("preemptions", "", "attempts stopped by SIGTERM (not failures)", "the ledger's owner", "preemptions"),
     ("state", "state", "the job's state (1 for the current one)", "the ledger's owner", "state"),
+    ("attempts_ended", "cause", "the job's attempts that ended, by cause (podstate.CAUSES)", "the ledger's owner",
+     "causes"),
     ("rank_step", "rank", "the last step this rank finished", "every worker", "step"),
     ("rank_step_seconds", "rank", "this rank's recent seconds per step", "every worker", "step_s"),
     ("rank_heartbeat_age_seconds", "rank", "seconds since this rank's last report", "every worker", "age"),
@@ -358,6 +400,10 @@ def samples(pod: Pod, progress: bool, job: bool, uploads: dict | None = None):
         elif name == "progress_age_seconds":
             published = podstate.number(record.get(key))
             values = [("", max(0.0, time.time() - published))] if published is not None else []
+        elif name == "attempts_ended":
+            causes = verdict.get(key) if isinstance(verdict.get(key), dict) else {}
+            values = [(cause, v) for cause in podstate.CAUSES
+                      if (v := podstate.number(causes.get(cause))) is not None and 0 <= v < 1e9]
         elif name == "state":
             values = [(job_fields(verdict, progress_fields(record) if progress else {})["state"], 1)]
         else:

@@ -403,6 +403,8 @@ config check's. */}}
   value: {{ .Values.job.waitTimeoutSeconds | int | quote }}
 - name: DS_RUN_RETRIES
   value: {{ .Values.job.runRetries | int | quote }}
+- name: DS_NO_PROGRESS_ATTEMPTS
+  value: {{ .Values.job.noProgressAttempts | int | quote }}
 # files/attempts.py keys the job's ledger of attempts by the Job's uid: a reinstall gets a fresh failure budget.
 - name: DS_JOB_UID
   valueFrom:
@@ -649,7 +651,7 @@ podFailurePolicy:
       onExitCodes:
         containerName: {{ .container | quote }}
         operator: In
-        values: [{{ $podstate.exitConfigError | int }}, {{ $podstate.exitBudgetSpent | int }}]
+        values: [{{ $podstate.exitConfigError | int }}, {{ $podstate.exitNotRetried | int }}]
     # 143: the pod stopped on SIGTERM (a deletion, an upgrade, a preemption without a DisruptionTarget): the
     # pod scripts marked its attempt a preemption, and neither budget is spent.
     - action: Ignore
