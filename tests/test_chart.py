@@ -146,7 +146,9 @@ def test_train_config_and_args_reach_the_launcher_command():
     args = container(job)["args"]
     assert container(job)["command"] == ["bash", "/etc/deepspeed/scripts/launcher.sh"]
     assert args[0] == "deepspeed"
-    assert args[args.index("--module") + 1] == "mytrain"
+    # DeepSpeed's launcher runs each rank through the chart's rank-log.py (its lines carry its rank and attempt).
+    assert args[args.index("-m") - 1:args.index("-m") + 2] == ["/etc/deepspeed/scripts/rank-log.py", "-m", "mytrain"]
+    assert "--module" not in args
     assert "--ds-config=/etc/deepspeed/config/ds_config.json" in args
     assert "--config=/etc/deepspeed/config/train_config.json" in args
     assert "--checkpoint-dir=/checkpoints" in args

@@ -30,7 +30,8 @@ def test_nossh_renders_no_ssh_no_launcher_no_token():
                      "Service", "ServiceAccount"]  # Role: the progress sidecar's (tests/test_chart.py)
     scripts = one(docs, "ConfigMap", "-scripts")
     assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "watchdog.py", "attempts.py",
-                                    "sidecar.py", "podstate.py", "podstate.sh", "nossh-worker.sh", "gang-barrier.py"}
+                                    "rank-log.py", "sidecar.py", "podstate.py", "podstate.sh", "nossh-worker.sh",
+                                    "gang-barrier.py"}
     text = str([d for d in docs if d is not scripts])
     assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
     assert [p["port"] for p in one(docs, "Service")["spec"]["ports"]] == [29500]

@@ -85,9 +85,10 @@ def demo(r: Rendered, manifests: str) -> int:
     job = next(doc for doc in yaml.safe_load_all(manifests) if doc and doc["kind"] == "Job")
     launcher = job["spec"]["template"]["spec"]["containers"][0]
     runner = launcher["args"]
-    start = next(i for i, arg in enumerate(runner[1:], 1) if arg == "--module" or not arg.startswith("--"))
+    start = next(i for i, arg in enumerate(runner[1:], 1) if not arg.startswith("--"))  # files/rank-log.py
     chart_env = {e["name"]: e["value"] for e in launcher["env"] if "value" in e}
-    local = {chart_env["DS_CONFIG_PATH"]: str(r.out / "ds_config.json"),
+    scripts = next(m["mountPath"] for m in launcher["volumeMounts"] if runner[start].startswith(m["mountPath"] + "/"))
+    local = {scripts: str(common.CHART / "files"), chart_env["DS_CONFIG_PATH"]: str(r.out / "ds_config.json"),
              chart_env["DS_TRAIN_CONFIG_PATH"]: str(r.out / "train_config.json"),
              chart_env["DS_CHECKPOINT_DIR"]: str(ckpt),
              common.IMAGE_EXAMPLES: str(common.ROOT / "examples")}

@@ -158,7 +158,7 @@ def test_a_deepspeed_examples_style_argparse_module_runs(shared_dir):
     with Cluster(render(values)) as cluster:
         code, log = cluster.run_launcher(timeout=240)
         assert code == 0, log[-5000:]
-        assert "--module examples.ds_argparse --steps=20 --deepspeed --deepspeed_config " \
+        assert "rank-log.py -m examples.ds_argparse --steps=20 --deepspeed --deepspeed_config " \
                "/etc/deepspeed/config/ds_config.json" in log  # the program's arguments, then the chart's
         assert "world 2 config /etc/deepspeed/config/ds_config.json" in log
         losses = argparse_losses(log)

@@ -257,7 +257,7 @@ kueue.x-k8s.io/podset-{{ .mode }}-topology: {{ .level | quote }}
 items), so that a script finds its neighbours (generated/podstate.py, the protocol's copy) in the pod as in the
 chart. */}}
 {{- define "deepspeed-training.podScripts" -}}
-{{- $paths := list "hosts.sh" "kill-ranks.sh" "run-child.sh" "watchdog.py" "attempts.py" "sidecar.py" "generated/podstate.py" "generated/podstate.sh" }}
+{{- $paths := list "hosts.sh" "kill-ranks.sh" "run-child.sh" "watchdog.py" "attempts.py" "sidecar.py" "rank-log.py" "generated/podstate.py" "generated/podstate.sh" }}
 {{- if .Values.checkpoints.objectStore.bucket }}
 {{- $paths = concat $paths (list "objectstore.py" "generated/tags.py") }}
 {{- end }}
@@ -577,14 +577,14 @@ spellings there.
 {{- end }}
 
 {{/*
-The program every rank runs and its arguments, as a JSON list: the module (`--module M`) or script, train.args with
-the placeholders {ds_config} {train_config} {checkpoint_dir} {data_dir} replaced, then the chart's paths in the
-program's convention (last: argparse keeps the last occurrence). All of it reaches the remote shell.
+The program every rank runs and its arguments, as a JSON list, as Python takes them: the module (`-m M`) or script,
+train.args with the placeholders {ds_config} {train_config} {checkpoint_dir} {data_dir} replaced, then the chart's
+paths in the program's convention (last: argparse keeps the last occurrence). All of it reaches the remote shell.
 */}}
 {{- define "deepspeed-training.programCommand" -}}
 {{- $paths := include "deepspeed-training.programPaths" . | fromJson }}
 {{- $train := .Values.train }}
-{{- $command := ternary (list $train.script) (list "--module" $train.module) (ne $train.script "") }}
+{{- $command := ternary (list $train.script) (list "-m" $train.module) (ne $train.script "") }}
 {{- range $train.args }}
 {{- $arg := . }}
 {{- range $name, $path := $paths }}
@@ -598,7 +598,8 @@ program's convention (last: argparse keeps the last occurrence). All of it reach
 
 {{/*
 The `deepspeed` command. ssh (the launcher): pdsh over SSH to the hostfile's workers. nossh (every worker):
-this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion index>`. Then the program.
+this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion index>`. Then the program, which
+DeepSpeed's launcher starts through files/rank-log.py: every line a rank writes carries its rank and attempt.
 */}}
 {{- define "deepspeed-training.launchCommand" -}}
 {{- $command := list "deepspeed" (printf "--hostfile=%s/hostfile" (include "deepspeed-training.configDir" .)) }}
@@ -616,7 +617,8 @@ this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion inde
 {{- $command = concat $command (list
   (printf "--master_addr=%s" (include "deepspeed-training.workerHost" (dict "root" . "index" 0)))
   (printf "--master_port=%d" (int .Values.deepspeed.masterPort))) }}
-{{- toJson (concat $command .Values.deepspeed.runnerArgs (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
+{{- $rankLog := printf "%s/rank-log.py" (include "deepspeed-training.scriptsDir" .) }}
+{{- toJson (concat $command .Values.deepspeed.runnerArgs (list $rankLog) (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
 {{- end }}
 
 {{/* The run-state protocol's constants the templates need: files/generated/podstate.json, from train/podstate.py. */}}
