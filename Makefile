@@ -18,6 +18,8 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 ENV ?=
 PROJECT ?=
+RANK ?=
+ATTEMPT ?=
 KUBE_CONTEXT ?=
 DRY_RUN ?=
 WAIT ?=
@@ -34,6 +36,8 @@ override WAIT := $(value WAIT)
 override REGISTRY := $(value REGISTRY)
 override PYTEST_ARGS := $(value PYTEST_ARGS)
 override TEST_WORKERS := $(value TEST_WORKERS)
+override RANK := $(value RANK)
+override ATTEMPT := $(value ATTEMPT)
 export ENV PROJECT KUBE_CONTEXT TEST_WORKERS
 # A refused value as the error shows it: quoted, on one line. Never expanded again (make expands a reference once).
 define newline
@@ -105,6 +109,21 @@ status: ## Where the release's run stands: its progress ConfigMap (step, loss, E
 	$(require-env)
 	$(require-project)
 	$(DEPLOYCTL) status
+
+.PHONY: why
+why: ## Why the run stands where it does: each attempt's cause and time, the budget left, the culprit and its stacks, the last checkpoint.
+	$(require-env)
+	$(require-project)
+	$(DEPLOYCTL) why
+
+.PHONY: logs
+logs: export RANK := $(RANK)
+logs: export ATTEMPT := $(ATTEMPT)
+logs: ## One global rank's lines (RANK=N, ATTEMPT=k for one attempt), from the pod log that holds them.
+	$(require-env)
+	$(require-project)
+	$(if $(RANK),,$(error RANK is required: `make logs ENV=$(or $(ENV),prod) PROJECT=$(or $(PROJECT),example) RANK=0 [ATTEMPT=2]`))
+	$(DEPLOYCTL) logs --rank "$$RANK" $(if $(ATTEMPT),--attempt "$$ATTEMPT")
 
 .PHONY: demo
 demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.

@@ -13,6 +13,7 @@ from scripts.deployctl.helm import demo, deploy, helm, helm_args, helm_template,
 from scripts.deployctl.pins import check_pins
 from scripts.deployctl.plan import plan
 from scripts.deployctl.render import build, write
+from scripts.deployctl.why import logs, why
 
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -24,16 +25,25 @@ def name_arg(value: str) -> str:
     return value
 
 
+def count_arg(value: str) -> int:
+    """RANK and ATTEMPT: a whole number (they may come from a CI pipeline)."""
+    if not re.fullmatch(r"[0-9]{1,7}", value):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deployctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["render", "plan", "template", "deploy", "diff", "undeploy", "demo",
-                                            "status"])
+                                            "status", "why", "logs"])
     parser.add_argument("--env", required=True, type=name_arg, help="values/<env>.yaml")
     parser.add_argument("--project", default=None, type=name_arg, help="values/projects/<project>/")
     parser.add_argument("--kube-context", default=None, help="must be one of deploy.kubeContexts when that is set")
     parser.add_argument("--dry-run", action="store_true", help="print the helm command and the objects; apply nothing")
     parser.add_argument("--wait", action="store_true", help="helm --wait")
+    parser.add_argument("--rank", type=count_arg, default=None, help="logs: the global rank whose lines to print")
+    parser.add_argument("--attempt", type=count_arg, default=None, help="logs: only this attempt's lines")
     args = parser.parse_args(argv)
     quiet_deepspeed()
     try:
@@ -50,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "template":
             sys.stdout.write(manifests)
             return 0
-        cluster_cmd = args.command in ("deploy", "diff", "undeploy", "status")
+        cluster_cmd = args.command in ("deploy", "diff", "undeploy", "status", "why", "logs")
         context = kube_context(r, args.kube_context, need_cluster=cluster_cmd and not args.dry_run)
         if args.command == "status":
             return status(r, context, args.dry_run, manifests)
+        if args.command == "why":
+            return why(r, context, args.dry_run, manifests)
+        if args.command == "logs":
+            if args.rank is None:
+                raise DeployError("make logs needs RANK: `make logs ENV=... PROJECT=... RANK=0 [ATTEMPT=2]`")
+            return logs(r, context, args.dry_run, manifests, args.rank, args.attempt)
         print(plan(r, context, manifests), flush=True)
         if args.command == "plan":
             return 0

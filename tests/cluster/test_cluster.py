@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.deployctl import why
 from tests.support.chart import CHART, HELM, pod_script
 from tests.support.prometheus import PROMETHEUS, dashboard_queries, query, scraping
 from tests.support.train_run import cpu_ds_config
@@ -385,8 +386,12 @@ def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_th
     pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
                               namespace=namespace))["items"]
     terminated = [c["state"]["terminated"] for p in pods for c in p["status"]["containerStatuses"]]
-    assert [t["exitCode"] for t in terminated] == [attempts.BUDGET_SPENT], terminated
+    assert [t["exitCode"] for t in terminated] == [attempts.NOT_RETRIED], terminated
     assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in terminated[0].get("message", "")
+    assert terminated[0]["message"].startswith("failed | budget-spent | "), terminated[0]
+    text, _ = make_why(namespace, "ssh")
+    assert re.search(r"failed, cause budget-spent\.\nWhy: failure budget spent: .* the last ended: attempt 1 ended: "
+                     r"program-error: a rank was killed by SIGKILL", text), text
     stop_endless_job(namespace)
 
 
@@ -424,6 +429,40 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
     # The stacks behind the report (in a step's all_reduce, or a save's collective when the stop hit a save).
     stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/_job/diagnostics/run-*/*worker-0.txt")
     assert f"in {waits[1]}" in stacks
+    # `make why` from the API server names the cause, the culprit and where its stacks are; `make logs` one rank's
+    # lines of one attempt, out of the launcher's log where pdsh merges every rank.
+    text, seconds = make_why(namespace, "ssh")
+    assert re.search(rf"Attempts: 1 hang at step \d+, \d+s \(culprit rank 1 on {WORKERS}-1; its stacks: "
+                     rf"/checkpoints/_job/diagnostics/run-0001-\w+/{WORKERS}-1.txt on its host's checkpoint volume\); "
+                     rf"2 completed at step {steps}", text), text
+    assert "Failure budget: 1 of 1 used, 0 left" in text, text
+    lines = make_logs(namespace, "ssh", 1, 2)
+    assert lines[0].startswith(f"== pod {LAUNCHER}-") and len(lines) > 2, lines
+    assert all("[rank 1 attempt 2] " in line for line in lines[1:]), lines
+    print(f"\nmake why ({seconds:.2f}s):\n{text}\nmake logs RANK=1 ATTEMPT=2: {len(lines) - 1} lines, e.g. {lines[1]}")
+
+
+def make_why(namespace: str, mode: str) -> tuple[str, float]:
+    """`make why`'s paragraph (scripts/deployctl/why.py), read from this API server as a person's kubeconfig reads
+    it, and the seconds it took."""
+    from kubernetes import client, config
+
+    config.load_kube_config()
+    release = why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode,
+                          [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS], 1, "/checkpoints")
+    started = time.monotonic()
+    text = why.why_text(release, why.read(client.CoreV1Api(), client.BatchV1Api(), release))
+    return text, time.monotonic() - started
+
+
+def make_logs(namespace: str, mode: str, rank: int, attempt: int | None) -> list[str]:
+    """`make logs RANK= ATTEMPT=`'s lines, from this API server."""
+    from kubernetes import client, config
+
+    config.load_kube_config()
+    release = why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode,
+                          [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS], 1, "/checkpoints")
+    return why.rank_log(client.CoreV1Api(), release, rank, attempt)
 
 
 def culprit_seen(namespace: str, seen: dict) -> bool:
@@ -451,6 +490,13 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
     assert re.search(r"attempt 2 \(1 of 1 failures used", seen["summary"]), seen
     print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
           f"{seen['summary']}")
+    text, seconds = make_why(namespace, "nossh")
+    assert re.search(rf"Attempts: 1 hang at step \d+, \d+s \(culprit rank 1 on {NOSSH_WORKERS}-1; its stacks: "
+                     rf"/checkpoints/_job/diagnostics/run-0001-\w+/{NOSSH_WORKERS}-1.txt", text), text
+    lines = make_logs(namespace, "nossh", 1, 1)  # worker 1's own log holds its rank
+    assert lines[0].startswith(f"== pod {NOSSH_WORKERS}-1-") and len(lines) > 2, lines
+    assert all("[rank 1 attempt 1] " in line for line in lines[1:]), lines
+    print(f"make why ({seconds:.2f}s):\n{text}")
     stop_endless_job(namespace)
 
 
@@ -473,6 +519,35 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
     assert "attempt 2 (0 of 2 failures used, 1 preemption)" in retry_log, retry_log[-4000:]
     wait_for(lambda: "attempt 2 (0 of 2 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
              30, "the progress ConfigMap to show attempt 2", lambda: str(progress_data(namespace)))
+    # The pods saw a SIGTERM (preempted); the API server saw whose: `make why` says the pod was deleted.
+    text, _ = make_why(namespace, "ssh")
+    assert re.search(rf"Attempts: 1 pod-deleted at step \d+, \d+s \(the pods saw preempted; the cluster: pod {first}: "
+                     r"Killing at ", text), text
+    stop_endless_job(namespace)
+
+
+def test_a_rank_over_its_memory_limit_is_oom_killed_and_the_same_oom_stops_the_job(namespace):
+    """A model too big for the workers' memory limit: the kernel's OOM killer ends the ranks as they build it. The
+    container's memory cgroup counted it (cgroup v1 here: only the rank dies, the container lives on, so the API
+    server has no OOMKilled to show): the ledger's cause is oom-killed, the retry meets the same, and the budget
+    stops the job; `make why` and the Job say so."""
+    install(namespace, steps=100, launchMode="nossh", job={"runRetries": 1},
+            train_config={"model": {"n_layer": 12, "d_model": 2048, "n_head": 16, "seq_len": 32}},
+            worker={"resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1536Mi"}}})
+    outcome = wait_for(lambda: job_outcome(namespace, NOSSH_WORKERS), 400, "the workers' Job to fail",
+                       lambda: diagnose(namespace))
+    assert outcome == "Failed", diagnose(namespace)
+    data = wait_for(lambda: (d := progress_data(namespace)).get("cause") == "budget-spent" and d, 60,
+                    "the ConfigMap to say budget-spent", lambda: str(progress_data(namespace)))
+    text, _ = make_why(namespace, "nossh")
+    assert re.search(r"Attempts: 1 oom-killed, \d+s; 2 oom-killed, \d+s\.", text), text
+    assert "the kernel's OOM killer ended a process in the container of" in data["reason"], data
+    pods = json.loads(kubectl("get", "pods", "-l", f"job-name={NOSSH_WORKERS}", "-o", "json",
+                              namespace=namespace))["items"]
+    messages = [c["state"]["terminated"].get("message", "") for p in pods for c in p["status"]["containerStatuses"]
+                if c["name"] == "worker" and c["state"].get("terminated")]
+    assert any(m.startswith("failed | budget-spent | failure budget spent") for m in messages), messages
+    print(f"\nmake why:\n{text}")
     stop_endless_job(namespace)
 
 

@@ -1,0 +1,330 @@
+"""`make why` and `make logs`: what happened to a release's run, for a person, from API objects only, read with the
+person's own access (the pods' tokens stay narrow): the progress ConfigMap the sidecars keep (the ledger's causes
+and attempts, rank 0's progress), the release's pods and Jobs, and their events. Nothing raw from the cluster is
+printed: every value goes through cluster.printable().
+
+Who decides which cause (train/podstate.py's CAUSES): the pods decide from in-pod evidence; what only the API server
+knows refines an attempt's cause here: a container OOMKilled, a pod's DisruptionTarget condition (eviction,
+preemption, a lost node), a pod deleted, a node not ready, each matched to the attempt that ended near it in time.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import yaml
+
+from scripts.deployctl.cluster import printable
+from scripts.deployctl.common import DeployError
+from scripts.deployctl.helm import release_name
+from scripts.deployctl.render import Rendered
+from train import podstate
+
+# The cluster's evidence -> the cause it shows, strongest first: one attempt's end may leave several.
+DISRUPTION = {"EvictionByEvictionAPI": "evicted", "TerminationByKubelet": "evicted", "PreemptionByScheduler":
+              "preempted", "DeletionByTaintManager": "node-lost", "DeletionByPodGC": "node-lost"}
+EVENT_CAUSES = {"OOMKilling": "oom-killed", "Evicted": "evicted", "TaintManagerEviction": "node-lost",
+                "NodeNotReady": "node-lost", "Preempted": "preempted"}
+STRENGTH = ("oom-killed", "node-lost", "evicted", "preempted", "pod-deleted")
+# The pods' causes that cluster evidence may explain better (a SIGKILL the pods saw, an owner that vanished, a stop).
+REFINABLE = ("program-error", "node-lost", "preempted", "collective-timeout")
+BEFORE_S, AFTER_S = 900, 120  # evidence this long before an attempt's recorded end, or after it, belongs to it
+EVENTS_SHOWN = 5
+
+
+@dataclass
+class Release:
+    name: str
+    namespace: str
+    progress: str  # the progress ConfigMap
+    mode: str  # ssh | nossh
+    jobs: list[str]  # the release's Jobs (ssh: the launcher; nossh: the workers), hooks left out
+    ranks_per_worker: int
+    checkpoint_mount: str
+    main_containers: tuple[str, ...] = ("launcher", "worker")  # a pod's Killing of these, not of its sidecar
+
+
+def release_of(r: Rendered, manifests: str) -> Release:
+    docs = [d for d in yaml.safe_load_all(manifests) if d]
+    progress = [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"
+                and d["metadata"]["name"].endswith("-progress")]
+    if not progress:
+        raise DeployError(f"release {release_name(r)} renders no progress ConfigMap (progress.enabled is false): "
+                          "make why and make logs read it")
+    jobs = [d["metadata"]["name"] for d in docs if d["kind"] == "Job"
+            and "helm.sh/hook" not in (d["metadata"].get("annotations") or {})]
+    workers = int(r.effective["worker"]["replicas"])
+    mains = tuple(sorted({d["spec"]["template"]["spec"]["containers"][0]["name"] for d in docs
+                          if d["kind"] in ("Job", "StatefulSet")
+                          and "helm.sh/hook" not in (d["metadata"].get("annotations") or {})}))
+    return Release(release_name(r), r.settings["deploy"]["namespace"], progress[0], r.effective["launchMode"], jobs,
+                   max(1, r.world_size // max(1, workers)), r.effective["checkpoints"]["mountPath"], mains)
+
+
+def epoch(value) -> float | None:
+    if isinstance(value, datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
+    return None
+
+
+def clock(seconds: float | None) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%H:%M:%SZ") if seconds else "?"
+
+
+def read(core, batch, release: Release) -> dict:
+    """The API objects `why` reads, as plain data: four requests, whatever the number of workers."""
+    selector = f"app.kubernetes.io/instance={release.name}"
+    progress = core.read_namespaced_config_map(release.progress, release.namespace).data or {}
+    pods = []
+    for pod in core.list_namespaced_pod(release.namespace, label_selector=selector).items:
+        statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])]
+        terminated = [(c.name, t.reason, t.exit_code, epoch(t.finished_at), t.message) for c in statuses
+                      for t in (c.state.terminated if c.state else None,
+                                c.last_state.terminated if c.last_state else None) if t]
+        disruption = [(c.reason, c.message, epoch(c.last_transition_time)) for c in pod.status.conditions or []
+                      if c.type == "DisruptionTarget" and c.status == "True"]
+        pods.append({"name": pod.metadata.name, "phase": pod.status.phase, "reason": pod.status.reason,
+                     "message": pod.status.message, "deleted": epoch(pod.metadata.deletion_timestamp),
+                     "created": epoch(pod.metadata.creation_timestamp), "node": pod.spec.node_name,
+                     "terminated": terminated, "disruption": disruption,
+                     "restarts": sum(c.restart_count or 0 for c in statuses)})
+    prefix = f"{release.name}-"
+    events = [{"object": e.involved_object.name, "kind": e.involved_object.kind, "type": e.type, "reason": e.reason,
+               "message": e.message, "time": epoch(e.last_timestamp) or epoch(e.event_time)
+               or epoch(e.first_timestamp), "count": e.count or 1}
+              for e in core.list_namespaced_event(release.namespace).items
+              if (e.involved_object.name or "").startswith(prefix)]
+    jobs = []
+    for job in batch.list_namespaced_job(release.namespace, label_selector=selector).items:
+        if job.metadata.name in release.jobs:
+            conditions = [(c.type, c.reason, c.message) for c in job.status.conditions or [] if c.status == "True"]
+            jobs.append({"name": job.metadata.name, "conditions": conditions, "active": job.status.active or 0,
+                         "failed": job.status.failed or 0, "succeeded": job.status.succeeded or 0})
+    return {"progress": progress, "pods": pods, "events": events, "jobs": jobs}
+
+
+def cluster_evidence(pods: list[dict], events: list[dict], mains: tuple[str, ...] = ("launcher", "worker")
+                     ) -> list[dict]:
+    """What the API server saw that the pods could not: {time, cause, text}, each one line. A `Killing` of a pod's
+    main container (`mains`) is a deletion; of its sidecar alone, the pod's normal end."""
+    found = []
+    for pod in pods:
+        for container, reason, code, finished, _ in pod["terminated"]:
+            if reason == "OOMKilled":
+                found.append({"time": finished, "cause": "oom-killed", "text": f"pod {pod['name']}, container "
+                              f"{container}: OOMKilled (exit {code}) at {clock(finished)}"})
+        for reason, message, when in pod["disruption"]:
+            found.append({"time": when, "cause": DISRUPTION.get(reason, "pod-deleted"),
+                          "text": f"pod {pod['name']}: DisruptionTarget {reason} at {clock(when)}"
+                                  + (f" ({message})" if message else "")})
+        if pod["reason"] == "Evicted":
+            found.append({"time": pod["deleted"] or pod["created"], "cause": "evicted",
+                          "text": f"pod {pod['name']}: evicted ({pod['message']})"})
+        elif pod["deleted"] and not pod["disruption"]:
+            found.append({"time": pod["deleted"], "cause": "pod-deleted",
+                          "text": f"pod {pod['name']}: being deleted since {clock(pod['deleted'])}"})
+    for event in events:
+        cause = EVENT_CAUSES.get(event["reason"] or "")
+        stopped = re.fullmatch(r"Stopping container (\S+)", event["message"] or "")
+        if event["reason"] == "Killing" and event["kind"] == "Pod" and stopped and stopped[1] in mains:
+            cause = "pod-deleted"
+        if cause:
+            found.append({"time": event["time"], "cause": cause, "text": f"{event['kind'].lower()} {event['object']}: "
+                          f"{event['reason']} at {clock(event['time'])} ({event['message']})"})
+    return found
+
+
+def attempts_of(progress: dict) -> list[dict]:
+    """The ledger's last attempts, from the ConfigMap's `attempts` (JSON, the sidecar's); [] if absent or not JSON."""
+    try:
+        entries = json.loads(progress.get("attempts", "[]"))
+    except ValueError:
+        return []
+    return [e for e in entries if isinstance(e, dict) and e.get("cause") in podstate.CAUSES
+            and isinstance(e.get("attempt"), int)] if isinstance(entries, list) else []
+
+
+def refine(entries: list[dict], evidence: list[dict]) -> list[dict]:
+    """Each attempt with the cluster's cause where the pods' is one the cluster may explain better (REFINABLE) and
+    some evidence lies near its end: {**entry, seen: cause the pods gave, by: the evidence's line}."""
+    out = []
+    for entry in entries:
+        ended = entry.get("ended")
+        near = [e for e in evidence if ended and e["time"] and ended - BEFORE_S <= e["time"] <= ended + AFTER_S]
+        if entry["cause"] in REFINABLE and near:
+            best = min(near, key=lambda e: (STRENGTH.index(e["cause"]), abs(ended - e["time"])))
+            if best["cause"] != entry["cause"]:
+                entry = {**entry, "seen": entry["cause"], "cause": best["cause"], "by": best["text"]}
+        out.append(entry)
+    return out
+
+
+def duration(seconds) -> str:
+    if not isinstance(seconds, int | float):
+        return ""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def stacks_path(release: Release, progress: dict, attempt: int, culprit: str) -> str:
+    """Where the watchdog of the culprit's host wrote its ranks' stacks of that attempt (on that host's volume)."""
+    job = podstate.parse_run_id(progress.get("run", ""))
+    host = culprit.rsplit(" on ", 1)[-1] if " on " in culprit else ""
+    if not job or not host:
+        return ""
+    return (f"{release.checkpoint_mount}/{podstate.JOB_DIR}/{podstate.DIAGNOSTICS}/"
+            f"{podstate.run_id(attempt, job[1])}/{host}.txt")
+
+
+def why_text(release: Release, observed: dict) -> str:
+    """One paragraph: the state now, each attempt with its cause and the time it cost, the budget used and left,
+    the culprit and its stacks, the last committed checkpoint, what the cluster saw."""
+    progress, p = observed["progress"], lambda value, limit=400: printable(value, limit)
+    state = progress.get("state", "pending")
+    lines = [f"Release {p(release.name)} in namespace {p(release.namespace)} ({release.mode} mode): {p(state)}"
+             + (f", cause {p(progress['cause'])}" if progress.get("cause") else "") + "."]
+    if progress.get("reason") and state != "done":
+        lines.append(f"Why: {p(progress['reason'], 1000)}")
+    evidence = cluster_evidence(observed["pods"], observed["events"], release.main_containers)
+    entries = refine(attempts_of(progress), evidence)
+    if entries:
+        shown = []
+        for e in entries:
+            text = f"{e['attempt']} {p(e['cause'])}" + (f" at step {e['step']}" if isinstance(e.get("step"), int)
+                                                        else "")
+            text += f", {duration(e['seconds'])}" if "seconds" in e else ""
+            if e.get("by"):
+                text += f" (the pods saw {p(e['seen'])}; the cluster: {p(e['by'])})"
+            if e.get("culprit") and e["cause"] in ("hang", "collective-timeout", "program-error"):
+                where = stacks_path(release, progress, e["attempt"], e["culprit"])
+                text += f" (culprit {p(e['culprit'])}" + (f"; its stacks: {p(where)} on its host's checkpoint "
+                                                          "volume" if where and e["cause"] != "program-error"
+                                                          else "") + ")"
+            shown.append(text)
+        lines.append("Attempts: " + "; ".join(shown) + ".")
+    counts = {k: progress.get(k) for k in ("failuresUsed", "failureBudget", "preemptions", "attempt")}
+    if counts["failuresUsed"] and counts["failureBudget"]:
+        used, budget = int(counts["failuresUsed"]), int(counts["failureBudget"])
+        lines.append(f"Failure budget: {used} of {budget} used, {max(0, budget - used)} left; "
+                     f"{p(counts['preemptions'] or 0)} preemption(s), never counted; attempt {p(counts['attempt'])} "
+                     "is the latest.")
+    if progress.get("culprit") and not entries:
+        lines.append(f"Culprit: {p(progress['culprit'])}.")
+    if progress.get("checkpointStep"):
+        bucket = f" (the bucket's: step {p(progress['bucketStep'])})" if progress.get("bucketStep") else ""
+        lines.append(f"Last committed checkpoint: step {p(progress['checkpointStep'])}{bucket}.")
+    if progress.get("goodput"):
+        lines.append(f"Where the time went: {p(progress['goodput'], 600)}.")
+    if progress.get("summary"):
+        lines.append(f"Now: {p(progress['summary'], 1000)}.")
+    for job in observed["jobs"]:
+        conditions = ", ".join(f"{p(t)}" + (f" ({p(r)}: {p(m, 300)})" if r else "") for t, r, m in job["conditions"])
+        lines.append(f"Job {p(job['name'])}: {conditions or 'running'}; {job['active']} active, {job['failed']} "
+                     f"failed, {job['succeeded']} succeeded pods.")
+    unexplained = [e for e in evidence if not any(e["text"] == a.get("by") for a in entries)]
+    for e in sorted(unexplained, key=lambda e: -(e["time"] or 0))[:EVENTS_SHOWN]:
+        lines.append(f"The cluster saw: {p(e['text'], 500)} ({p(e['cause'])}).")
+    phases = {}
+    for pod in observed["pods"]:
+        phases[pod["phase"]] = phases.get(pod["phase"], 0) + 1
+    if phases:
+        lines.append("Pods: " + ", ".join(f"{n} {p(phase)}" for phase, n in sorted(phases.items())) + ".")
+    return "\n".join(lines)
+
+
+def api(context: str | None):
+    from kubernetes import client, config  # noqa: PLC0415 - only for a cluster command
+
+    try:
+        config.load_kube_config(context=context)
+    except Exception as err:  # no kubeconfig, no cluster: one line
+        raise DeployError(f"cannot reach the cluster: {type(err).__name__}: {err}") from None
+    return client.CoreV1Api(), client.BatchV1Api()
+
+
+def why(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> int:
+    release = release_of(r, manifests)
+    print(f"+ read configmap {release.namespace}/{release.progress}, the release's pods and jobs "
+          f"(app.kubernetes.io/instance={release.name}) and the namespace's events", flush=True)
+    if dry_run:
+        return 0
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+    core, batch = api(context)
+    try:
+        observed = read(core, batch, release)
+    except ApiException as err:
+        raise DeployError(f"{release.namespace}: {err.status} {err.reason} (is release {release.name} installed, "
+                          "and may you read its ConfigMap, pods, jobs and events?)") from None
+    print(why_text(release, observed))
+    return 0
+
+
+RANK_TAG = re.compile(r"\[rank (\d+)(?: attempt (\d+))?\] ")
+
+
+def rank_lines(text: str, rank: int, attempt: int | None) -> list[str]:
+    """The lines of one log that files/rank-log.py tagged with `rank` (and `attempt`)."""
+    out = []
+    for line in text.splitlines():
+        found = RANK_TAG.search(line)
+        if found and int(found[1]) == rank and (attempt is None or found[2] and int(found[2]) == attempt):
+            out.append(line)
+    return out
+
+
+def rank_log(core, release: Release, rank: int, attempt: int | None) -> list[str]:
+    """Global rank `rank`'s lines (of attempt `attempt`, or all), under a header per pod log that holds them: ssh,
+    the launcher's (pdsh relays every rank there); nossh, its worker's (rank // ranks per worker). Every pod of that
+    role, oldest first, and each container's previous log when it restarted: what the kubelet still keeps."""
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+    if release.mode == "ssh":
+        selector = "app.kubernetes.io/component=launcher"
+    else:
+        selector = f"batch.kubernetes.io/job-completion-index={rank // release.ranks_per_worker}"
+    pods = sorted(core.list_namespaced_pod(release.namespace, label_selector=f"{selector},app.kubernetes.io/instance="
+                                           f"{release.name}").items, key=lambda pod: pod.metadata.creation_timestamp)
+    out, found = [], 0
+    for pod in pods:
+        main = pod.spec.containers[0].name
+        restarted = any((c.restart_count or 0) > 0 for c in pod.status.container_statuses or [] if c.name == main)
+        for previous in ((True, False) if restarted else (False,)):
+            try:
+                text = core.read_namespaced_pod_log(pod.metadata.name, release.namespace, container=main,
+                                                    previous=previous)
+            except ApiException as err:
+                out.append(f"== pod {printable(pod.metadata.name)}: no log ({err.status} {printable(err.reason)})")
+                continue
+            lines = rank_lines(text, rank, attempt)
+            found += len(lines)
+            out.append(f"== pod {printable(pod.metadata.name)}, container {printable(main)}"
+                       f"{' (before its restart)' if previous else ''}: {len(lines)} lines")
+            out += [printable(line, 4000) for line in lines]
+    if not found:
+        out.append(f"no line of rank {rank}" + (f" in attempt {attempt}" if attempt else "") + " in what the kubelet "
+                   "keeps (the current log file of each container, and the previous container's)")
+    return out
+
+
+def logs(r: Rendered, context: str | None, dry_run: bool, manifests: str, rank: int, attempt: int | None) -> int:
+    release = release_of(r, manifests)
+    if rank >= r.world_size:
+        raise DeployError(f"RANK={rank}: the release has ranks 0 to {r.world_size - 1}")
+    where = ("the launcher's log (pdsh relays every rank there)" if release.mode == "ssh"
+             else f"worker {rank // release.ranks_per_worker}'s log")
+    print(f"+ rank {rank}" + (f", attempt {attempt}" if attempt else "") + f": {where}, in {release.namespace}",
+          flush=True)
+    if dry_run:
+        return 0
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+    core, _ = api(context)
+    try:
+        print("\n".join(rank_log(core, release, rank, attempt)))
+    except ApiException as err:
+        raise DeployError(f"{release.namespace}: {err.status} {err.reason} (is release {release.name} installed, and "
+                          "may you read its pods and their logs?)") from None
+    return 0

@@ -1,0 +1,154 @@
+"""`make why` and `make logs` (scripts/deployctl/why.py) on what the API returns, and the rank-log wrapper
+(files/rank-log.py) that tags every rank's line, run as DeepSpeed's launcher runs it. The cluster tier reads a real
+drill's `make why` from a real API server (tests/cluster/test_cluster.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from scripts.deployctl import why
+from tests.support.chart import ROOT
+
+RANK_LOG = ROOT / "charts" / "deepspeed-training" / "files" / "rank-log.py"
+RELEASE = why.Release("demo", "ml", "demo-deepspeed-training-progress", "ssh", ["demo-deepspeed-training-launcher"],
+                      2, "/checkpoints")
+T = 1_780_000_000.0
+
+
+def pod(name: str, **extra) -> dict:
+    return {"name": name, "phase": "Running", "reason": None, "message": None, "deleted": None, "created": T - 3600,
+            "node": "n1", "terminated": [], "disruption": [], "restarts": 0, **extra}
+
+
+def progress(attempts: list[dict], **extra) -> dict:
+    return {"state": "failed", "cause": attempts[-1]["cause"], "attempts": json.dumps(attempts),
+            "run": "run-0003-1a2b3c4d", "failuresUsed": "2", "failureBudget": "2", "preemptions": "1", "attempt": "3",
+            "checkpointStep": "200", **extra}
+
+
+def test_why_says_each_attempt_its_cause_and_time_the_budget_the_culprit_and_its_stacks():
+    observed = {"progress": progress([
+        {"attempt": 1, "cause": "hang", "step": 98, "seconds": 123.4, "ended": T - 900, "culprit": "rank 1 on w-1"},
+        {"attempt": 2, "cause": "preempted", "step": 150, "seconds": 60, "ended": T - 500},
+        {"attempt": 3, "cause": "program-error", "step": 201, "seconds": 41, "ended": T - 100,
+         "culprit": "rank 0 on w-0"}],
+        reason="attempt 3 ended: program-error: a rank on w-1 was killed by SIGKILL", bucketStep="180",
+        goodput="goodput 71.0% | wall 400.0s | hung 120.0s (3 attempts)"),
+        # The cluster: attempt 2's SIGTERM was an eviction, attempt 3's SIGKILL the OOM killer.
+        "pods": [pod("w-0"), pod("w-1", terminated=[("worker", "OOMKilled", 137, T - 110, None)], restarts=1),
+                 pod("launcher", disruption=[])],
+        "events": [{"object": "demo-w-1", "kind": "Pod", "type": "Warning", "reason": "Evicted", "message":
+                    "The node was low on resource: memory.", "time": T - 520, "count": 1}],
+        "jobs": [{"name": "demo-deepspeed-training-launcher", "conditions": [("Failed", "PodFailurePolicy",
+                                                                               "exit code 3")],
+                  "active": 0, "failed": 1, "succeeded": 0}]}
+    text = why.why_text(RELEASE, observed)
+    assert text.startswith("Release demo in namespace ml (ssh mode): failed, cause program-error."), text
+    assert "1 hang at step 98, 2m03s (culprit rank 1 on w-1; its stacks: /checkpoints/_job/diagnostics/" \
+           "run-0001-1a2b3c4d/w-1.txt on its host's checkpoint volume)" in text, text
+    assert "2 evicted at step 150, 1m00s (the pods saw preempted; the cluster: pod demo-w-1: Evicted" in text, text
+    assert "3 oom-killed at step 201, 41s (the pods saw program-error; the cluster: pod w-1, container worker: " \
+           "OOMKilled (exit 137)" in text, text
+    assert "Failure budget: 2 of 2 used, 0 left; 1 preemption(s), never counted" in text
+    assert "Last committed checkpoint: step 200 (the bucket's: step 180)." in text
+    assert "Job demo-deepspeed-training-launcher: Failed (PodFailurePolicy: exit code 3); 0 active, 1 failed" in text
+    assert "Pods: 3 Running." in text
+
+
+def test_why_prints_nothing_raw_from_the_cluster():
+    hostile = "\x1b]52;c;aGk=\x07\u202erm -rf\n" + "x" * 5000
+    observed = {"progress": {**progress([{"attempt": 1, "cause": "hang", "culprit": hostile, "ended": T}]),
+                             "reason": hostile, "summary": hostile, "attempts": "not json" + hostile},
+                "pods": [pod(hostile, phase=hostile, disruption=[("EvictionByEvictionAPI", hostile, T)])],
+                "events": [{"object": hostile, "kind": "Pod", "type": "Warning", "reason": "Evicted",
+                            "message": hostile, "time": T, "count": 1}], "jobs": []}
+    text = why.why_text(RELEASE, observed)
+    assert "\x1b" not in text and "\u202e" not in text and "\x07" not in text
+    assert all(len(line) < 2100 for line in text.splitlines()), [len(line) for line in text.splitlines()]
+
+
+def test_a_sidecar_stopped_at_its_pods_end_is_no_deletion_and_the_main_container_killed_is():
+    def killing(container):
+        return [{"object": "demo-launcher-x", "kind": "Pod", "type": "Normal", "reason": "Killing",
+                 "message": f"Stopping container {container}", "time": T, "count": 1}]
+    assert why.cluster_evidence([], killing("progress"), RELEASE.main_containers) == []
+    [found] = why.cluster_evidence([], killing("launcher"), RELEASE.main_containers)
+    assert found["cause"] == "pod-deleted" and "demo-launcher-x" in found["text"]
+
+
+def test_an_attempt_keeps_the_pods_cause_without_cluster_evidence_near_its_end():
+    entries = [{"attempt": 1, "cause": "program-error", "ended": T}]
+    far = [{"time": T - 5000, "cause": "oom-killed", "text": "long before"}]
+    assert why.refine(entries, far) == entries
+    assert why.refine([{"attempt": 1, "cause": "hang", "ended": T}], [{"time": T, "cause": "oom-killed",
+                                                                        "text": "x"}])[0]["cause"] == "hang"
+
+
+def test_rank_lines_picks_one_rank_and_attempt_from_a_merged_log():
+    log = "\n".join(["w-0: [rank 0 attempt 1] step 10", "w-1: [rank 1 attempt 1] step 10",
+                     "launcher: DeepSpeed exited with status 1", "w-1: [rank 1 attempt 2] resumed",
+                     "w-1: [rank 11 attempt 2] other", "[rank 1] no attempt (outside the chart)"])
+    assert why.rank_lines(log, 1, None) == ["w-1: [rank 1 attempt 1] step 10", "w-1: [rank 1 attempt 2] resumed",
+                                            "[rank 1] no attempt (outside the chart)"]
+    assert why.rank_lines(log, 1, 2) == ["w-1: [rank 1 attempt 2] resumed"]
+
+
+PROGRAM = """
+import os, sys, time
+print("from python", flush=True)
+os.write(2, b"from the fd, like C++\\n")
+sys.stdout.write("bar 10%\\rbar 50%\\rbar 100%\\n")
+sys.stdout.write("no newline at the end")
+sys.stdout.flush()
+print(" ARGS", sys.argv[1:], "PID", os.getpid(), file=sys.stderr, flush=True)
+if os.environ.get("SLEEP"):
+    time.sleep(60)
+sys.exit(7)
+"""
+
+
+def test_rank_log_tags_every_line_of_the_rank_and_keeps_its_pid_arguments_and_exit_status(tmp_path):
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
+    result = subprocess.run([sys.executable, "-u", str(RANK_LOG), "--local_rank=1", str(program), "--x", "y"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "RANK": "5", "DS_ATTEMPT": "2"})
+    assert result.returncode == 7, result
+    lines = result.stdout.splitlines()
+    assert lines[:3] == ["[rank 5 attempt 2] from python", "[rank 5 attempt 2] from the fd, like C++",
+                         "[rank 5 attempt 2] bar 100%"], lines
+    assert lines[3].startswith("[rank 5 attempt 2] no newline at the end ARGS ['--local_rank=1', '--x', 'y'] PID")
+    assert result.stderr == ""
+
+
+def test_rank_log_lines_outlive_the_ranks_process_tree(tmp_path):
+    """DeepSpeed's launcher kills a failed rank's whole tree: the prefixer is not in it, so the rank's last line
+    still comes out, and it ends once the rank is gone."""
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
+    rank = subprocess.Popen([sys.executable, "-u", str(RANK_LOG), str(program)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "RANK": "77", "SLEEP": "1"})
+    first = rank.stdout.readline()
+    assert first == b"[rank 77] from python\n"
+    deadline = time.monotonic() + 30
+    while b"PID" not in first and time.monotonic() < deadline:
+        first = rank.stdout.readline()
+    assert int(first.split(b"PID")[1]) == rank.pid  # exec: the rank is the process DeepSpeed started
+    assert not psutil.Process(rank.pid).children(recursive=True)  # the prefixer is outside its tree
+    prefixers = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-1:] == ["[rank 77] "]]
+    assert [p.info["cmdline"][-3:] for p in prefixers] == [[str(RANK_LOG), "--prefix", "[rank 77] "]]
+    os.kill(rank.pid, signal.SIGKILL)
+    assert rank.wait(timeout=30) == -signal.SIGKILL
+    assert rank.stdout.read() == b""  # every writer closed: the prefixer ended
+
+
+@pytest.mark.parametrize("argv", [[], ["-m"], ["--local_rank=0"]])
+def test_rank_log_refuses_a_command_without_a_program(argv):
+    result = subprocess.run([sys.executable, str(RANK_LOG), *argv], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "Usage" in result.stderr
