@@ -1,6 +1,7 @@
 """The `# --` comments in values.yaml (helm-docs style) are the one description of each value: this writes
 them into the chart README's values table and into values.schema.json's `description`s. And the sidecar's METRICS
-(files/sidecar.py) are the one list of its metrics: this writes docs/observability.md's table from it.
+(files/sidecar.py) are the one list of its metrics: this writes docs/observability.md's table from it; and the
+run-state protocol's CAUSES (train/podstate.py) docs/failures.md's table of why an attempt ends.
 
     python scripts/values_table.py           # rewrite both
     python scripts/values_table.py --check   # exit 1 if either is stale
@@ -20,6 +21,8 @@ CHART = ROOT / "charts" / "deepspeed-training"
 BEGIN, END = "<!-- values-table:begin -->", "<!-- values-table:end -->"
 METRICS_DOC = ROOT / "docs" / "observability.md"
 METRICS_BEGIN, METRICS_END = "<!-- metrics-table:begin -->", "<!-- metrics-table:end -->"
+CAUSES_DOC = ROOT / "docs" / "failures.md"
+CAUSES_BEGIN, CAUSES_END = "<!-- causes-table:begin -->", "<!-- causes-table:end -->"
 KEY = re.compile(r"^(\s*)([A-Za-z0-9_]+):")
 
 
@@ -74,6 +77,17 @@ def metrics_table() -> str:
     return "\n".join(rows)
 
 
+def causes_table() -> str:
+    """Why an attempt ends (train/podstate.py CAUSES): the cause, who decides it and from what, the budget."""
+    sys.path.insert(0, str(ROOT))
+    from train import podstate  # noqa: PLC0415
+
+    rows = ["| cause | decided by | from | spends the failure budget |", "| --- | --- | --- | --- |"]
+    for cause, (who, evidence, budget) in podstate.CAUSES.items():
+        rows.append(f"| `{cause}` | {who} | {evidence} | {budget} |")
+    return "\n".join(rows)
+
+
 def between(text: str, begin: str, end: str, body: str) -> str:
     start, stop = text.index(begin) + len(begin), text.index(end)
     return text[:start] + "\n" + body + "\n" + text[stop:]
@@ -104,8 +118,10 @@ def main() -> int:
                               indent=2, ensure_ascii=False) + "\n"
     metrics_text = METRICS_DOC.read_text()
     fresh_metrics = between(metrics_text, METRICS_BEGIN, METRICS_END, metrics_table())
+    causes_text = CAUSES_DOC.read_text()
+    fresh_causes = between(causes_text, CAUSES_BEGIN, CAUSES_END, causes_table())
     files = ((readme, text, fresh), (schema_path, schema_text, fresh_schema),
-             (METRICS_DOC, metrics_text, fresh_metrics))
+             (METRICS_DOC, metrics_text, fresh_metrics), (CAUSES_DOC, causes_text, fresh_causes))
     if args.check:
         stale = [str(p) for p, old, new in files if old != new]
         if stale:
