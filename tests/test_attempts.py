@@ -414,8 +414,9 @@ def test_an_oom_kill_a_hosts_memory_cgroup_counted_is_the_cause_and_only_in_the_
     assert attempt(1, 40)["cause"] == "oom-killed"
     assert attempt(2, 40)["cause"] == "oom-killed"
     stopped = run(tmp_path, "begin", env=budget)
-    assert stopped.returncode == attempts.NOT_RETRIED and "the same error at step 40 in attempts 4 and 5 (oom-killed: " \
-        "the kernel's OOM killer ended a process)" in stopped.stderr, stopped.stderr
+    assert stopped.returncode == attempts.NOT_RETRIED, stopped.stderr
+    assert "the same error at step 40 in attempts 4 and 5 (oom-killed: the kernel's OOM killer ended a process)" \
+        in stopped.stderr, stopped.stderr
 
 
 def test_the_evidence_command_reads_this_hosts_records_of_that_run_only(tmp_path):
@@ -431,3 +432,32 @@ def test_the_evidence_command_reads_this_hosts_records_of_that_run_only(tmp_path
     assert podstate.valid_host_evidence(found) == found
     assert [e["rank"] for e in found["ends"]] == [0] and found["step"] == 9 and found["run"] == "run-0002-job1"
     assert run(tmp_path, "evidence", "../../x", env={podstate.STATE_DIR_ENV: str(state)}).stdout == ""
+
+
+def test_a_full_ledger_volume_loses_the_record_not_the_verdict(tmp_path):
+    """The checkpoints filled the volume the ledger shares with them (a real tmpfs, filled): `end` says so in one
+    line and the verdict (the pod's state directory) still carries the cause; nothing raises (the launcher runs
+    under set -e)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    volume = tmp_path / "attempts"
+    volume.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(volume)], check=True)
+    try:
+        env = {**begin(tmp_path), podstate.STATE_DIR_ENV: str(tmp_path / "ranks")}
+        with open(volume / "checkpoint", "wb", buffering=0) as fill:  # the checkpoints take the rest
+            try:
+                while True:
+                    fill.write(b"x" * 4096)
+            except OSError:
+                pass
+        record = end_record(env["DS_RUN_ID"], 0, "w-0", "storage-error", "checkpoint ...: full", 40, 1.0)
+        pdsh = f"w-0: {json.dumps(evidence(host='w-0', run_id=env['DS_RUN_ID'], ends=[record]))}\n"
+        run(tmp_path, "collect", env=env, stdin=pdsh)
+        result = run(tmp_path, "end", "2", env=env)
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=False)
+    assert result.returncode == 0 and f"attempts: cannot write {env['DS_ATTEMPT_DIR']}/outcome (No space left on " \
+        "device)" in result.stderr, result.stderr
+    verdict = json.loads((tmp_path / "ranks" / attempts.VERDICT).read_text())
+    assert verdict["cause"] == "storage-error" and "full" in verdict["reason"], verdict

@@ -206,7 +206,7 @@ def begin() -> tuple[dict[str, str] | None, str, str]:
     podstate.prune(directory.parent, podstate.KEEP_JOBS, spare=directory.name)  # earlier installs' ledgers
     for lost in numbered(directory):  # an owner that died with its pod recorded nothing: say so, once
         if not (lost / "outcome").exists() and not (lost / "cause.json").exists():
-            podstate.atomic_write(lost / "cause.json", json.dumps({
+            keep(lost / "cause.json", json.dumps({
                 "cause": "preempted" if any(lost.glob("stopped-*")) else "node-lost", "ended": time.time(),
                 "reason": f"attempt {int(lost.name)} ended with its owner's pod, which recorded no outcome (a lost "
                           "node, or the pod killed outright: `make why` reads which from the cluster)"}))
@@ -238,7 +238,7 @@ def begin() -> tuple[dict[str, str] | None, str, str]:
         except FileExistsError:
             number += 1
     begun = time.time()
-    (attempt / "begun").write_text(f"{begun:.3f}\n")
+    keep(attempt / "begun", f"{begun:.3f}\n")
     # The run's name (diagnostics/<run>) is unique across Jobs of the release: the job's first 8 characters.
     env = {podstate.ATTEMPT_ENV["run"]: podstate.run_id(number, directory.name),
            podstate.ATTEMPT_ENV["attempt_dir"]: str(attempt), podstate.ATTEMPT_ENV["attempt"]: str(number),
@@ -333,8 +333,7 @@ def oom_increase(attempt: Path, found: list[dict]) -> list[tuple[str, int]]:
         recorded = json.loads((attempt / "oom.json").read_text())
     except (OSError, ValueError):
         recorded = {}
-    podstate.atomic_write(attempt / "oom.json", json.dumps({**(recorded if isinstance(recorded, dict) else {}),
-                                                             **counts}))
+    keep(attempt / "oom.json", json.dumps({**(recorded if isinstance(recorded, dict) else {}), **counts}))
     increased = []
     for host, count in counts.items():
         previous = before.get(host, 0) if isinstance(before.get(host, 0), int) else 0
@@ -410,8 +409,21 @@ def decide(attempt: Path, status: int, found: list[dict]) -> dict:
     except (OSError, ValueError):
         pass
     cause["ended"] = time.time()
-    podstate.atomic_write(attempt / "cause.json", json.dumps({k: v for k, v in cause.items() if v is not None}))
+    keep(attempt / "cause.json", json.dumps({k: v for k, v in cause.items() if v is not None}))
     return cause
+
+
+def keep(path: Path, text: str) -> bool:
+    """Writes one of the ledger's files (atomically); on a volume that refuses it (full: the checkpoints filled it)
+    says so in one line and goes on: the verdict (the pod's own state directory) and the termination message
+    still say why the attempt ended."""
+    try:
+        podstate.atomic_write(path, text)
+        return True
+    except OSError as err:
+        print(f"attempts: cannot write {path} ({err.strerror}): the ledger keeps no record of this; the verdict "
+              "still says why the attempt ended", file=sys.stderr)
+        return False
 
 
 def end(status: int) -> None:
@@ -419,7 +431,7 @@ def end(status: int) -> None:
     run = os.environ.get(podstate.ATTEMPT_ENV["run"], "")
     cause = {}
     if attempt and Path(attempt).is_dir():
-        Path(attempt, "outcome").write_text(f"{status}\n")
+        keep(Path(attempt, "outcome"), f"{status}\n")
         own = evidence(run) if status != 0 else None  # this host's ranks (nossh worker 0's; none in ssh)
         if own:
             keep_evidence(own)
