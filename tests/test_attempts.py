@@ -261,9 +261,10 @@ def end_attempt(tmp_path: Path, status: int, *hosts: dict, env: dict | None = No
     return json.loads((Path(env["DS_ATTEMPT_DIR"]) / "cause.json").read_text())
 
 
-def raised(host: str, rank: int, line: str, step: int, when: float, cause: str = "program-error", status=None):
+def raised(host: str, rank: int, line: str, step: int, when: float, cause: str = "program-error", status=None,
+           echo: bool = False):
     return lambda run_id: evidence(host=host, run_id=run_id, status=status, step=step,
-                                   ends=[end_record(run_id, rank, host, cause, line, step, when)])
+                                   ends=[podstate.end_record(run_id, rank, host, cause, line, step, when, echo)])
 
 
 @pytest.mark.parametrize("status, hosts, cause, words", [
@@ -281,6 +282,12 @@ def raised(host: str, rank: int, line: str, step: int, when: float, cause: str =
      "loss-nan", "rank 0 on w-0 at step 12: loss is nan"),
     (2, [raised("w-1", 1, "checkpoint /ckpt/step_00000040: No space left on device", 40, 100.0, "storage-error")],
      "storage-error", "No space left on device; not retried"),
+    # The rank that learnt of another's failed write first says less than the one whose volume is full.
+    (2, [raised("w-0", 0, "checkpoint /ckpt/step_00000040: writing it failed on another rank", 40, 99.0,
+                "storage-error", echo=True),
+         raised("w-1", 1, "checkpoint /ckpt/step_00000040: ... (full: 0.1 MiB free of 6.0 MiB)", 40, 99.5,
+                "storage-error")],
+     "storage-error", "rank 1 on w-1 at step 40: checkpoint /ckpt/step_00000040: ... (full:"),
     (2, [raised("w-0", 0, "train_config.json: steps: expected an integer >= 1", None, 100.0, "config-error")],
      "config-error", "rank 0 on w-0: train_config.json: steps: expected an integer >= 1; not retried"),
     (2, [], "config-error", "a configuration error"),

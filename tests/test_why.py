@@ -141,8 +141,8 @@ def test_rank_log_lines_outlive_the_ranks_process_tree(tmp_path):
         first = rank.stdout.readline()
     assert int(first.split(b"PID")[1]) == rank.pid  # exec: the rank is the process DeepSpeed started
     assert not psutil.Process(rank.pid).children(recursive=True)  # the prefixer is outside its tree
-    prefixers = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-1:] == ["[rank 77] "]]
-    assert [p.info["cmdline"][-3:] for p in prefixers] == [[str(RANK_LOG), "--prefix", "[rank 77] "]]
+    prefixers = [p for p in psutil.process_iter(["cmdline"]) if "[rank 77] " in (p.info["cmdline"] or [])]
+    assert [p.info["cmdline"][-4:] for p in prefixers] == [[str(RANK_LOG), "--prefix", "[rank 77] ", str(rank.pid)]]
     os.kill(rank.pid, signal.SIGKILL)
     assert rank.wait(timeout=30) == -signal.SIGKILL
     assert rank.stdout.read() == b""  # every writer closed: the prefixer ended
@@ -152,3 +152,62 @@ def test_rank_log_lines_outlive_the_ranks_process_tree(tmp_path):
 def test_rank_log_refuses_a_command_without_a_program(argv):
     result = subprocess.run([sys.executable, str(RANK_LOG), *argv], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "Usage" in result.stderr
+
+
+RAISES_LATE = """
+import os, sys, time
+state = os.environ["DS_RANK_STATE_DIR"]
+if os.environ.get("OWN_RECORD"):
+    from train import rankstate
+    rankstate.report("starting")
+    rankstate.beat(12)
+else:  # a program that never reports: its rank's state line is the watchdog's only news of it
+    with open(os.path.join(state, str(os.getpid())), "w") as f:
+        f.write("training rank=4 step=12 v=1\\n")
+print("some output", flush=True)
+def load(path):
+    raise ValueError(f"Some specified arguments are not used by the HfArgumentParser: {path}")
+load(["--no_such_option=1"])
+"""
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_rank_that_dies_of_an_exception_leaves_its_last_line_for_the_ledger(tmp_path, own):
+    """The prefixer is the ledger's witness of a program that never reported (its traceback's last line becomes
+    the rank's end record); a rank that wrote its own keeps it."""
+    from tests.support.harness import wait_for
+    from train import podstate
+
+    program, state = tmp_path / "program.py", tmp_path / "state"
+    program.write_text(RAISES_LATE)
+    state.mkdir()
+    env = {**os.environ, "RANK": "4", "DS_RANK_STATE_DIR": str(state), "DS_RUN_ID": "run-0003-abcd",
+           "PYTHONPATH": str(ROOT), **({"OWN_RECORD": "1"} if own else {})}
+    result = subprocess.run([sys.executable, "-u", str(RANK_LOG), str(program)], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode == 1 and "[rank 4] Traceback (most recent call last):" in result.stdout, result
+    wait_for(lambda: (state / "end-4.json").exists(), 30, "the end record")  # the prefixer writes it at the end
+    found = json.loads((state / "end-4.json").read_text())
+    assert podstate.valid_end_record(found) == found
+    assert (found["run"], found["rank"], found["cause"], found["step"]) == ("run-0003-abcd", 4, "program-error", 12)
+    assert found["line"] == "ValueError: Some specified arguments are not used by the HfArgumentParser: " \
+                            "['--no_such_option=1']", found
+
+
+def test_output_that_only_printed_a_traceback_earlier_names_no_error():
+    assert why_rank_log().exception_line([b"Traceback (most recent call last):", b'  File "x.py", line 1',
+                                          b"KeyError: 'a'", b"handled; training on", *[b"step"] * 39]) is None
+    assert why_rank_log().exception_line([b"Traceback (most recent call last):", b"  File ...",
+                                          b"RuntimeError: first", b"", b"During handling of the above exception, "
+                                          b"another exception occurred:", b"", b"Traceback (most recent call last):",
+                                          b"  File ...", b"OSError: [Errno 28] No space left on device"]) == \
+        "OSError: [Errno 28] No space left on device"
+
+
+def why_rank_log():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rank_log", RANK_LOG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

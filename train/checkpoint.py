@@ -57,7 +57,11 @@ class CheckpointError(RuntimeError):
 
 class StorageError(CheckpointError):
     """Writing a checkpoint failed on this rank's volume (full, read-only, gone): the attempt's cause is
-    storage-error."""
+    storage-error. `echo`: it failed on another rank, whose line says why."""
+
+    def __init__(self, message: str, echo: bool = False):
+        super().__init__(message)
+        self.echo = echo
 
 
 def storage_for(workers: int, shared_claim: bool) -> str:
@@ -484,8 +488,8 @@ class Checkpointer:
         if state.item() < 0:
             tag = tag_for(step)
             raise StorageError(disk_error(self.ckpt_dir, tag, error) if error else
-                                  f"checkpoint {self.ckpt_dir / tag}: writing it failed on another rank (that rank's "
-                                  "line says why); nothing of it is resumed from")
+                               f"checkpoint {self.ckpt_dir / tag}: writing it failed on another rank (that rank's "
+                               "line says why); nothing of it is resumed from", echo=error is None)
         self._commit(step, started, size=future.result(), stall=stall)
         return True
 

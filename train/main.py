@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         status = 1  # retried: a NaN that recurs at the same step after the resume stops the job (the ledger)
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's
-        rankstate.fail("storage-error" if isinstance(err, checkpoint.StorageError) else "config-error", str(err))
+        rankstate.fail("storage-error" if isinstance(err, checkpoint.StorageError) else "config-error", str(err),
+                       echo=getattr(err, "echo", False))
         status = podstate.EXIT_CONFIG_ERROR
     finally:
         # Leaving without tearing the process group down can abort the process after training.

@@ -161,12 +161,14 @@ def classify_exception(type_name: str, message: str) -> str:
     return "program-error"
 
 
-def end_record(run: str, rank: int, host: str, cause: str, line: str, step: int | None, time_: float) -> dict:
-    """What a rank says of its own end (END_RECORD): an EndRecord."""
+def end_record(run: str, rank: int, host: str, cause: str, line: str, step: int | None, time_: float,
+               echo: bool = False) -> dict:
+    """What a rank says of its own end (END_RECORD): an EndRecord. `echo`: it ends because another rank failed (its
+    line says so; the other rank's says why)."""
     return {"v": VERSION, "run": clean(run, 64), "rank": int(rank), "host": clean(host, 253),
             "cause": cause if cause in RANK_CAUSES else "program-error", "line": clean(line, 1000),
             "step": step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**15 else None,
-            "time": time_}
+            "time": time_, "echo": echo is True}
 
 
 def valid_end_record(record) -> dict | None:
@@ -177,7 +179,7 @@ def valid_end_record(record) -> dict | None:
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 10**7 or moment is None:
         return None
     return end_record(str(record.get("run", "")), rank, str(record.get("host", "")), record["cause"],
-                      str(record.get("line", "")), record.get("step"), moment)
+                      str(record.get("line", "")), record.get("step"), moment, record.get("echo") is True)
 
 
 def host_evidence(host: str, run: str, status: int | None, hang: dict | None, ends: list[dict],
@@ -201,7 +203,8 @@ def valid_host_evidence(evidence) -> dict | None:
                          else None,
                          valid_hang_report(evidence.get("hang")) if evidence.get("hang") else None, ends,
                          step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**15 else None,
-                         kills if isinstance(kills, int) and not isinstance(kills, bool) and 0 <= kills < 10**9 else None)
+                         kills if isinstance(kills, int) and not isinstance(kills, bool) and 0 <= kills < 10**9
+                         else None)
 
 # ---- bounds of what a reader takes in
 MAX_RECORD_BYTES = 64 * 1024  # progress.json, verdict.json, a HangReport

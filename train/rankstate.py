@@ -68,16 +68,16 @@ def _path() -> Path | None:
     return Path(directory) / str(os.getpid()) if directory else None
 
 
-def fail(cause: str, line: str) -> None:
+def fail(cause: str, line: str, echo: bool = False) -> None:
     """This rank's end record (podstate.END_RECORD): why it is about to end (one of podstate.RANK_CAUSES), in one
-    line, at its last step. The first one written wins (a teardown's error after it is a consequence). Nothing
-    without DS_RANK_STATE_DIR; errors are ignored."""
+    line, at its last step; `echo`: because another rank failed. The first one written wins (a teardown's error
+    after it is a consequence). Nothing without DS_RANK_STATE_DIR; errors are ignored."""
     directory = os.environ.get(podstate.STATE_DIR_ENV)
     if not directory:
         return
     path = Path(directory) / podstate.END_RECORD.format(rank=int(_rank()) if _rank().isdigit() else 0)
     record = podstate.end_record(os.environ.get(podstate.ATTEMPT_ENV["run"], ""), int(_rank()) if _rank().isdigit()
-                                 else 0, socket.gethostname(), cause, line, _last_step, time.time())
+                                 else 0, socket.gethostname(), cause, line, _last_step, time.time(), echo)
     try:
         if path.exists() and json.loads(path.read_text()).get("run") == record["run"]:
             return

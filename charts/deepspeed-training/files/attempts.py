@@ -351,10 +351,11 @@ def signal_name(number: int) -> str:
 
 def decide(attempt: Path, status: int, found: list[dict]) -> dict:
     """Why the attempt ended (cause.json), from its exit status and every host's evidence: completed; preempted (a
-    stopped-* file); an OOM kill a host's memory cgroup counted; else the first thing that went wrong, by time: a hang (the watchdogs' reports, merged: the
-    culprit) or what a rank said of its own end (its exception, a refused configuration, a failed checkpoint volume, a
-    non-finite loss); a rank killed by a signal, which says nothing, comes before its peers' errors, which follow from
-    it; then exit status 2 (a configuration error), and any other exit."""
+    stopped-* file); an OOM kill a host's memory cgroup counted; else the first thing that went wrong, by time: a
+    hang (the watchdogs' reports, merged: the culprit) or what a rank said of its own end (its exception, a refused
+    configuration, a failed checkpoint volume, a non-finite loss; a rank that failed because another did says
+    less); a rank killed by a signal, which says nothing, comes before its peers' errors, which follow from it; then
+    exit status 2 (a configuration error), and any other exit."""
     number = int(attempt.name)
     ends = sorted((r for e in found for r in e["ends"]), key=lambda r: r["time"])
     hangs = [e["hang"] for e in found if e["hang"]]
@@ -366,6 +367,7 @@ def decide(attempt: Path, status: int, found: list[dict]) -> dict:
               and (sig := podstate.exit_signal(e["status"])) not in (None, signal.SIGTERM)]
     if not killed and podstate.exit_signal(status) not in (None, signal.SIGTERM):
         killed = [("", podstate.exit_signal(status))]
+    ends = [r for r in ends if not r["echo"]] or ends  # a rank that failed because another did says less
     said = [r for r in ends if r["cause"] in ("config-error", "storage-error", "loss-nan")]
     first = (said or ([] if killed and not merged else ends))[:1]
     oom = oom_increase(attempt, found)

@@ -11,15 +11,27 @@ and stderr at it, and then becomes the program (exec: the same process ID, inter
 status). A carriage return inside a line (a progress bar's redraw) keeps what a terminal would show: the text after
 the last one. Standard library only.
 
+It is also the ledger's witness of a rank that dies of an uncaught exception before it could say so itself (a
+program that never reported through train/rankstate.py, or an exception before it first did): when the rank's
+output ends with a Python traceback, the prefixer writes the rank's end record from its last line
+(podstate.END_RECORD: the cause program-error or collective-timeout, the exception's line, the rank's last
+reported step), unless the rank wrote one for this run itself.
+
 Usage: python -u rank-log.py [--local_rank=N] (-m MODULE | SCRIPT) [ARGS...]
        (RANK and --local_rank from DeepSpeed's launcher, DS_ATTEMPT from the chart's ledger)
 """
 
+import json
 import os
 import signal
+import socket
 import sys
+import time
+from collections import deque
 
 LONGEST_LINE = 64 * 1024  # a line without its newline is written out at this length
+TAIL_LINES = 40  # a traceback whose header is among the rank's last lines is how it ended,
+LINES_AFTER = 10  # if no more than these follow its exception line
 
 
 def tag() -> bytes:
@@ -37,9 +49,10 @@ def write_all(fd: int, data: bytes) -> None:
         data = data[os.write(fd, data):]
 
 
-def prefix(read_fd: int, out_fd: int, head: bytes) -> None:
-    """Copies read_fd to out_fd line by line, each line with `head` in front, until every writer has closed it."""
-    pending = b""
+def prefix(read_fd: int, out_fd: int, head: bytes) -> list[bytes]:
+    """Copies read_fd to out_fd line by line, each line with `head` in front, until every writer has closed it;
+    returns the last TAIL_LINES lines."""
+    pending, tail = b"", deque(maxlen=TAIL_LINES)
     while True:
         chunk = os.read(read_fd, 65536)
         if not chunk:
@@ -49,9 +62,52 @@ def prefix(read_fd: int, out_fd: int, head: bytes) -> None:
         if len(pending) > LONGEST_LINE:
             lines, pending = [*lines, pending], b""
         if lines:
-            write_all(out_fd, b"".join(head + shown(line) + b"\n" for line in lines))
+            shown_lines = [shown(line) for line in lines]
+            tail.extend(shown_lines)
+            write_all(out_fd, b"".join(head + line + b"\n" for line in shown_lines))
     if pending:
+        tail.append(shown(pending))
         write_all(out_fd, head + shown(pending) + b"\n")
+    return list(tail)
+
+
+def exception_line(tail: list[bytes]) -> str | None:
+    """The exception line (`ValueError: ...`) of the traceback the output ends with (at most LINES_AFTER lines
+    follow it: a message's own lines, a teardown's), or None."""
+    starts = [i for i, line in enumerate(tail) if line.startswith(b"Traceback (most recent call last):")]
+    if not starts:
+        return None
+    body = tail[starts[-1] + 1:]
+    for i, line in enumerate(body):
+        if line[:1] not in (b" ", b"\t") and line.strip():  # the frames are indented; the exception is not
+            text = line.decode("utf-8", "replace").strip()
+            if len(body) - i - 1 > LINES_AFTER or not (":" in text or text.isidentifier()):
+                return None
+            return text
+    return None
+
+
+def witness(tail: list[bytes], rank_pid: int) -> None:
+    """The rank's end record from the traceback its output ended with, unless it wrote its own for this run."""
+    line, directory, run = exception_line(tail), os.environ.get("DS_RANK_STATE_DIR"), os.environ.get("DS_RUN_ID", "")
+    rank = os.environ.get("RANK", "")
+    if not line or not directory or not run or not rank.isdigit():
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "generated"))
+    import podstate  # noqa: PLC0415 - the chart's copy of train/podstate.py, only when it is needed
+
+    state = podstate.StateDir(directory)
+    name = podstate.END_RECORD.format(rank=int(rank))
+    own = state.read_json(name)
+    if own and own[0].get("run") == run:
+        return
+    found = state.read(str(rank_pid), podstate.MAX_LINE_BYTES)  # the rank's last state line: `training ... step=N`
+    words = dict(w.split("=", 1) for w in (found[0].decode(errors="replace").split() if found else []) if "=" in w)
+    step = int(words["step"]) if words.get("step", "").isdigit() else None
+    kind, _, message = line.partition(":")
+    record = podstate.end_record(run, int(rank), socket.gethostname(), podstate.classify_exception(
+        kind.rsplit(".", 1)[-1], message), line, step, time.time())
+    state.write(name, json.dumps(record))
 
 
 def program_argv(argv: list[str]) -> list[str] | None:
@@ -67,12 +123,16 @@ def program_argv(argv: list[str]) -> list[str] | None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--prefix"] and len(argv) == 2:  # the prefixer: stdin to stdout, each line tagged
+    if argv[:1] == ["--prefix"] and len(argv) == 3:  # the prefixer: stdin to stdout, each line tagged
         for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(stop, signal.SIG_IGN)
         try:
-            prefix(0, 1, argv[1].encode())
+            tail = prefix(0, 1, argv[1].encode())
         except OSError:  # its reader is gone: nothing left to write to
+            return 0
+        try:
+            witness(tail, int(argv[2]))
+        except Exception:  # noqa: BLE001 - the witness is a courtesy: the ledger decides without it too
             pass
         return 0
     program = program_argv(argv)
@@ -80,6 +140,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     read_fd, write_fd = os.pipe()
+    rank_pid = os.getpid()  # the rank's, once this process becomes the program
     child = os.fork()
     if child == 0:  # the prefixer: a grandchild in a session of its own, outside the rank's process tree and group,
         try:  # and a program of its own (nothing that finds ranks by their command line finds it)
@@ -89,7 +150,7 @@ def main(argv: list[str]) -> int:
                 os.close(read_fd)
                 os.close(write_fd)
                 os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__), "--prefix",
-                                          tag().decode()])
+                                          tag().decode(), str(rank_pid)])
         finally:
             os._exit(0)
     os.waitpid(child, 0)
