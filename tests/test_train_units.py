@@ -197,6 +197,31 @@ def test_the_first_end_record_of_a_run_wins(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "end-0.json").read_text())["line"] == "RuntimeError: Connection closed by peer"
 
 
+GROUP_TIMEOUTS = """
+import datetime, sys, torch, torch.distributed as dist
+from train.deepspeed_mirror import groups_take_the_timeout
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+before = dist.new_group([0])
+groups_take_the_timeout(datetime.timedelta(seconds=60))
+groups_take_the_timeout(datetime.timedelta(seconds=60))  # twice: still one wrapper
+from deepspeed.comm.torch import TorchBackend
+clone = TorchBackend.new_group(None, [0])  # DeepSpeed's own call, as ZeRO clones the world group
+own = dist.new_group([0], timeout=datetime.timedelta(seconds=5))
+print([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in (before, clone, own)])
+"""
+
+
+def test_deepspeeds_own_groups_take_the_runs_collective_timeout_not_torchs_30_minutes(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", GROUP_TIMEOUTS, str(tmp_path / "store")], capture_output=True,
+                            text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[1800.0, 60.0, 5.0]", result.stdout
+
+
 def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_path, monkeypatch):
     from train import podstate, rankstate
     monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))

@@ -1,7 +1,8 @@
 """What DeepSpeed does with a ds_config internally, copied here so that train/dsconfig.py can check a config without
-building an engine, and the one hook into DeepSpeed's comm layer (FirstCollectiveClock). Each piece names the
-DeepSpeed code it mirrors, as of DeepSpeed 0.19.8 (the pin in pyproject.toml): a DeepSpeed upgrade re-reads this
-file, and only this file. Our own rules stay in dsconfig.py.
+building an engine, and the hooks into DeepSpeed's comm layer (FirstCollectiveClock, groups_take_the_timeout). Each
+piece names the
+DeepSpeed code it mirrors, as of DeepSpeed 0.19.8 (the pin in pyproject.toml): a DeepSpeed upgrade re-reads
+this file, and only this file. Our own rules stay in dsconfig.py.
 """
 
 import time
@@ -138,3 +139,23 @@ class FirstCollectiveClock:
     def compute_s(self) -> float:
         """Seconds from start() to the first collective (to now, if none came)."""
         return (self.first or time.perf_counter()) - self.started
+
+
+def groups_take_the_timeout(timeout) -> None:
+    """DeepSpeed makes its own process groups with torch's new_group and no timeout (deepspeed/comm/torch.py
+    new_group; ZeRO's data-parallel group is such a clone of the world group, deepspeed/utils/groups.py
+    _clone_world_group): torch gives them its default (30 minutes on gloo, 10 on NCCL), not the world group's, so a
+    peer that never comes held ZeRO's gradient all-reduce for 30 minutes whatever DEEPSPEED_TIMEOUT said. Every
+    group made after this call without a timeout of its own gets `timeout` (the run's collective timeout)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    original = dist.new_group
+    if getattr(original, "takes_the_timeout", False):
+        return
+
+    def new_group(ranks=None, timeout=None, *args, **kwargs):
+        return original(ranks, timeout if timeout is not None else groups_take_the_timeout.timeout, *args, **kwargs)
+
+    new_group.takes_the_timeout = True
+    groups_take_the_timeout.timeout = timeout
+    dist.new_group = new_group

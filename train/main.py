@@ -19,7 +19,7 @@ from train import checkpoint, dsconfig, mfu, podstate, rankstate
 from train.checks import Inputs, check_devices, check_inputs, check_world_size
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, samples
-from train.deepspeed_mirror import FirstCollectiveClock
+from train.deepspeed_mirror import FirstCollectiveClock, groups_take_the_timeout
 from train.model import GPT, build_model, count_parameters
 from train.pipeline import PipelineGPT, stage_plan
 from train.report import Run, RunReport, Utilisation
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return podstate.EXIT_CONFIG_ERROR
     # DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes, the chart's deepspeed.collectiveTimeoutMinutes.
     deepspeed.init_distributed(timeout=default_pg_timeout)
+    groups_take_the_timeout(default_pg_timeout)  # ZeRO's own groups too: torch would give them 30 min on gloo
     status = 1
     try:
         if dist.get_world_size() != world_size:
