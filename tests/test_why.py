@@ -202,6 +202,10 @@ def test_output_that_only_printed_a_traceback_earlier_names_no_error():
                                           b"another exception occurred:", b"", b"Traceback (most recent call last):",
                                           b"  File ...", b"OSError: [Errno 28] No space left on device"]) == \
         "OSError: [Errno 28] No space left on device"
+    # torch.distributed's excepthook (once the process group exists) puts `[rankN]: ` before every line.
+    assert why_rank_log().exception_line([b"[rank0]: Traceback (most recent call last):", b"[rank0]:   File ...",
+                                          b"[rank0]: ValueError: Some specified arguments are not used"]) == \
+        "ValueError: Some specified arguments are not used"
 
 
 def why_rank_log():

@@ -23,6 +23,7 @@ Usage: python -u rank-log.py [--local_rank=N] (-m MODULE | SCRIPT) [ARGS...]
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -71,9 +72,13 @@ def prefix(read_fd: int, out_fd: int, head: bytes) -> list[bytes]:
     return list(tail)
 
 
+TORCH_PREFIX = re.compile(rb"^\[rank\d+\]: ")  # torch.distributed's excepthook puts it before every line
+
+
 def exception_line(tail: list[bytes]) -> str | None:
     """The exception line (`ValueError: ...`) of the traceback the output ends with (at most LINES_AFTER lines
     follow it: a message's own lines, a teardown's), or None."""
+    tail = [TORCH_PREFIX.sub(b"", line) for line in tail]
     starts = [i for i, line in enumerate(tail) if line.startswith(b"Traceback (most recent call last):")]
     if not starts:
         return None
