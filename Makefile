@@ -186,6 +186,10 @@ drill-objectstore: ## The object store's long drills (not in CI): 20 uploads kil
 	DS_DRILLS=objectstore MEMSTORE_BYTES=$$((6 << 30)) pytest tests/drills \
 	  tests/e2e/test_byo_programs.py::test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods -v -s
 
+.PHONY: drill-faults
+drill-faults: ## The fault drill (not all in CI): 37 real faults, both launch modes, the train package and a Trainer; prints expected vs reported causes (root).
+	DS_DRILLS=faults pytest tests/drills/test_fault_drill.py -v -s -p no:cacheprovider
+
 .PHONY: lint
 lint: ## helm lint --strict with every ci values file, shellcheck, hadolint, ruff.
 	for f in $(CHART)/ci/*-values.yaml; do helm lint --strict $(CHART) -f "$$f" > /dev/null || { helm lint --strict $(CHART) -f "$$f"; exit 1; }; done
