@@ -191,7 +191,7 @@ def summary(attempt: int, failures: int, preemptions: int) -> str:
 
 
 def cause_of(attempt: Path) -> dict:
-    """Why an attempt ended, as end() or record_reports() recorded it ({} if neither did)."""
+    """Why an attempt ended, as end() or record_evidence() recorded it ({} if neither did)."""
     try:
         cause = json.loads((attempt / "cause.json").read_text())
     except (OSError, ValueError):
