@@ -15,6 +15,7 @@ from scripts.deployctl.plan import plan
 from scripts.deployctl.render import build, write
 from scripts.deployctl.why import logs, why
 
+READ_ONLY = ("status", "why", "logs")  # look at the cluster: the release's names, not DeepSpeed's checks
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -45,16 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=count_arg, default=None, help="logs: the global rank whose lines to print")
     parser.add_argument("--attempt", type=count_arg, default=None, help="logs: only this attempt's lines")
     args = parser.parse_args(argv)
-    quiet_deepspeed()
+    read_only = args.command in READ_ONLY
+    if not read_only:
+        quiet_deepspeed()
     try:
-        r = build(args.env, args.project)
+        r = build(args.env, args.project, check_ds_config=not read_only)
         write(r)
         if args.command == "render":
             print(f"rendered {r.out.relative_to(common.ROOT)}/values.yaml, ds_config.json, train_config.json")
             return 0
         manifests = helm_template(r)  # the chart's own checks, before any plan, demo or cluster command
         if args.project:
-            check_pins(r, manifests)
+            check_pins(r, manifests, check_ds_config=not read_only)
         if args.command == "demo":
             return demo(r, manifests)
         if args.command == "template":

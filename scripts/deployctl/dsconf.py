@@ -20,9 +20,10 @@ def runs_train_package(effective: dict) -> bool:
         train["argsConvention"] == "train"
 
 
-def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, overrides: dict
+def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, overrides: dict, checked: bool = True
                      ) -> tuple[dict, tuple]:
-    """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked."""
+    """The preset rendered with the derived batch, deepspeed.overrides merged over it, then checked (unless
+    `checked` is False: a read-only look at the cluster, which needs the release's names, not DeepSpeed's parser)."""
     ds = settings["deepspeed"]
     layout = layout_of(effective, origin)  # the batch keys count the ranks that see different data
     micro = ds["microBatch"]
@@ -53,6 +54,8 @@ def render_ds_config(settings: dict, origin: dict, effective: dict, steps: int, 
     override_files = sorted({src for path, src in origin.items() if path[:2] == ("deepspeed", "overrides")})
     ds_source = f"templates/{template}" + (
         f" + deepspeed.overrides from {', '.join(override_files)}" if overrides else "")
+    if not checked:
+        return ds_config, (micro, accum, micro * accum * layout.data_parallel)
     try:
         # The train package's schedule against its steps, as its ranks check; other programs count their own.
         batch = dsconfig.check_run(ds_config, layout, ds_source, steps=steps if runs_train_package(effective) else None,

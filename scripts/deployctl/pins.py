@@ -73,11 +73,12 @@ def pinned_fields(manifests: str) -> dict[str, dict]:
     return found
 
 
-def check_pins(r: Rendered, manifests: str) -> None:
+def check_pins(r: Rendered, manifests: str, check_ds_config: bool = True) -> None:
     """A project's layers may not move its pods off what the platform's layers pinned (scheduling, identity,
-    checkpoint volume), by any path: its render is compared with a render of the platform's layers alone."""
+    checkpoint volume), by any path: its render is compared with a render of the platform's layers alone (whose
+    ds_config goes through DeepSpeed's parser unless `check_ds_config` is False: a read-only command)."""
     try:
-        platform = build(r.env, None)
+        platform = build(r.env, None, check_ds_config=check_ds_config)
     except DeployError as err:
         raise DeployError(f"the platform's layers alone do not render, so what the project may change cannot be "
                           f"checked: {err}") from None

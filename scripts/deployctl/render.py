@@ -41,8 +41,10 @@ class Rendered:
     warnings: list[str]  # what may fail on the workers but cannot be known here; the plan prints them
 
 
-def build(env: str, project: str | None) -> Rendered:
-    """ENV x PROJECT rendered and checked: every layer's error names the file, the key and what was expected."""
+def build(env: str, project: str | None, check_ds_config: bool = True) -> Rendered:
+    """ENV x PROJECT rendered and checked: every layer's error names the file, the key and what was expected.
+    check_ds_config=False: the ds_config rendered but not put through DeepSpeed's parser (and the CPU ranks' kernel
+    check), for a read-only look at the cluster (status, why, logs: ~1.7 s of DeepSpeed's import saved)."""
     merged, origin, sources = load_layers(env, project)
     settings = without_nulls(merged)
     check_schema(settings, json.loads(common.SETTINGS_SCHEMA.read_text()), origin, (),
@@ -56,8 +58,8 @@ def build(env: str, project: str | None) -> Rendered:
     ours = runs_train_package(effective)
     steps = train_steps(effective, origin) if ours else effective["train"]["config"].get("steps", TrainConfig.steps)
     overrides = merged["deepspeed"].get("overrides") or {}  # with its nulls: null removes a preset key
-    ds_config, batch = render_ds_config(settings, origin, effective, steps, overrides)
-    warnings = cpu_rank_warnings(settings, origin, effective, ds_config)
+    ds_config, batch = render_ds_config(settings, origin, effective, steps, overrides, checked=check_ds_config)
+    warnings = cpu_rank_warnings(settings, origin, effective, ds_config) if check_ds_config else []
     chart = copy.deepcopy(merged["chart"])
     chart.setdefault("deepspeed", {})["config"] = ds_config
     out = common.BUILD / (project or "base") / env
