@@ -223,7 +223,8 @@ def test_the_read_only_commands_never_import_deepspeed(command):
     2 s they may take, bench/why.py); deploy and plan still run every check."""
     probe = ("import sys; from scripts.deployctl.cli import main; code = main(sys.argv[1:]); "
              "print(code, 'deepspeed' in sys.modules)")
-    args = ["--env", "dev", "--project", "example", "--dry-run", command, *(["--rank", "0"] if command == "logs" else [])]
+    args = ["--env", "dev", "--project", "example", "--dry-run", command,
+            *(["--rank", "0"] if command == "logs" else [])]
     result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120,
                             cwd=ROOT)
     assert result.stdout.strip().splitlines()[-1] == "0 False", result.stdout + result.stderr
