@@ -262,14 +262,11 @@ def why(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> int:
     return 0
 
 
-RANK_TAG = re.compile(r"\[rank (\d+)(?: attempt (\d+))?\] ")
-
-
 def rank_lines(text: str, rank: int, attempt: int | None) -> list[str]:
     """The lines of one log that files/rank-log.py tagged with `rank` (and `attempt`)."""
     out = []
     for line in text.splitlines():
-        found = RANK_TAG.search(line)
+        found = podstate.RANK_TAG.search(line)
         if found and int(found[1]) == rank and (attempt is None or found[2] and int(found[2]) == attempt):
             out.append(line)
     return out

@@ -19,6 +19,7 @@ reported step), unless the rank wrote one for this run itself.
 
 Usage: python -u rank-log.py [--local_rank=N] (-m MODULE | SCRIPT) [ARGS...]
        (RANK and --local_rank from DeepSpeed's launcher, DS_ATTEMPT from the chart's ledger)
+The tag is the protocol's (podstate.rank_tag); its generated copy sits beside this script.
 """
 
 import json
@@ -30,14 +31,16 @@ import sys
 import time
 from collections import deque
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "generated"))
+import podstate  # noqa: E402 - the chart's copy of train/podstate.py (python3 -I: no script directory on the path)
+
 LONGEST_LINE = 64 * 1024  # a line without its newline is written out at this length
 TAIL_LINES = 40  # a traceback whose header is among the rank's last lines is how it ended,
 LINES_AFTER = 10  # if no more than these follow its exception line
 
 
 def tag() -> bytes:
-    rank, attempt = os.environ.get("RANK", "?"), os.environ.get("DS_ATTEMPT", "")
-    return f"[rank {rank}{f' attempt {attempt}' if attempt.isdigit() else ''}] ".encode()
+    return podstate.rank_tag(os.environ.get("RANK", "?"), os.environ.get(podstate.ATTEMPT_ENV["attempt"], "")).encode()
 
 
 def shown(line: bytes) -> bytes:
@@ -94,21 +97,18 @@ def exception_line(tail: list[bytes]) -> str | None:
 
 def witness(tail: list[bytes], rank_pid: int) -> None:
     """The rank's end record from the traceback its output ended with, unless it wrote its own for this run."""
-    line, directory, run = exception_line(tail), os.environ.get("DS_RANK_STATE_DIR"), os.environ.get("DS_RUN_ID", "")
-    rank = os.environ.get("RANK", "")
+    line, directory = exception_line(tail), os.environ.get(podstate.STATE_DIR_ENV)
+    run, rank = os.environ.get(podstate.ATTEMPT_ENV["run"], ""), os.environ.get("RANK", "")
     if not line or not directory or not run or not rank.isdigit():
         return
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "generated"))
-    import podstate  # noqa: PLC0415 - the chart's copy of train/podstate.py, only when it is needed
-
     state = podstate.StateDir(directory)
     name = podstate.END_RECORD.format(rank=int(rank))
     own = state.read_json(name)
     if own and own[0].get("run") == run:
         return
     found = state.read(str(rank_pid), podstate.MAX_LINE_BYTES)  # the rank's last state line: `training ... step=N`
-    words = dict(w.split("=", 1) for w in (found[0].decode(errors="replace").split() if found else []) if "=" in w)
-    step = int(words["step"]) if words.get("step", "").isdigit() else None
+    _, fields = podstate.rank_line(found[0].decode(errors="replace") if found else "")
+    step = int(fields["step"]) if fields.get("step", "").isdigit() else None
     kind, _, message = line.partition(":")
     record = podstate.end_record(run, int(rank), socket.gethostname(), podstate.classify_exception(
         kind.rsplit(".", 1)[-1], message), line, step, time.time())

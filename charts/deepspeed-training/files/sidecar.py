@@ -205,13 +205,12 @@ class Pod:
             found = self.dir.read(name, podstate.MAX_LINE_BYTES)
             if not found:
                 continue
-            words = found[0].decode("utf-8", "replace").split()
-            fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+            state, fields = podstate.rank_line(found[0].decode("utf-8", "replace"))
             rank = fields.get("rank", "")
             if not (rank.isdigit() and int(rank) < self.world_size):
                 continue
             step, step_s = podstate.number(fields.get("step")), podstate.number(fields.get("step_s"))
-            entry = {"rank": str(int(rank)), "state": words[0] if words and words[0] in podstate.STATES else "",
+            entry = {"rank": str(int(rank)), "state": state,
                      "age": max(0.0, time.time() - found[1]), "mtime": found[1],
                      "step": step if step is not None and 0 <= step < 1e15 else None,
                      "step_s": step_s if step_s is not None and 0 <= step_s < 86400 else None}

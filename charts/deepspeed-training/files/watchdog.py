@@ -63,12 +63,11 @@ class Rank:
     def refresh(self, path: Path, now: float) -> bool:
         """Re-reads the state file; False when it is gone."""
         try:
-            words = path.read_text().split()
+            state, fields = podstate.rank_line(path.read_text())
             self.mtime = path.stat().st_mtime
         except OSError:
             return False
-        self.state = words[0] if words and words[0] in STATES else "training"  # a bare touch is a heartbeat
-        fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+        self.state = state or "training"  # a bare touch is a heartbeat
         self.step = int(fields["step"]) if fields.get("step", "").isdigit() else self.step
         try:
             self.step_s = float(fields.get("step_s", 0))

@@ -9,8 +9,8 @@ and a pair whose versions differ is refused before training, naming both (check_
 Files in the pod's state directory (STATE_DIR_ENV, the pod's /tmp emptyDir, shared by its containers), each with
 its writer -> its readers: its format:
 
-- `<pid>` (RANK_FILE): every rank (rankstate.report/beat) -> watchdog.py, kill-ranks.sh, the sidecar:
-  `<state> rank=R [step=N] [step_s=S]`; its mtime is the heartbeat.
+- `<pid>` (RANK_FILE): every rank (rankstate.report/beat) -> watchdog.py, kill-ranks.sh, the sidecar, rank-log.py:
+  `<state> rank=R [step=N] [step_s=S]` (rank_line parses it); its mtime is the heartbeat.
 - `<pid>.stacks`: the rank, on DUMP_SIGNAL (faulthandler) -> watchdog.py: every thread's Python stack.
 - `<pid>.fr-request`, `<pid>.fr.json`: watchdog.py (a write to the FIFO), the rank (the dump) -> watchdog.py: torch's
   flight recorder, JSON.
@@ -30,6 +30,9 @@ its writer -> its readers: its format:
 
 Every reader in the sidecar (the only container with a token) reads these through StateDir: no symlink is followed,
 only regular files are read, and every read is bounded. What the tenant's containers write there is untrusted data.
+
+Every line a rank writes (its stdout and stderr, through the chart's files/rank-log.py) starts with
+rank_tag(rank, attempt), which RANK_TAG finds again (`make logs`).
 
 Env: STATE_DIR_ENV; the attempt's (ATTEMPT_ENV: attempts.py gives them to every rank); PROTOCOL_ENV, which the chart
 sets to the chart's VERSION. Exit statuses: EXIT_CONFIG_ERROR (2: a configuration error, never retried),
@@ -211,6 +214,21 @@ MAX_RECORD_BYTES = 64 * 1024  # progress.json, verdict.json, a HangReport
 MAX_LINE_BYTES = 1024  # a rank's state line
 MAX_NAMES = 4096  # entries of the state directory a reader looks at
 MAX_TEXT = 400  # characters of one published string
+
+
+def rank_line(text: str) -> tuple[str, dict[str, str]]:
+    """A rank's state line (RANK_FILE): its state word ("" when it is none of STATES) and its key=value fields."""
+    words = text.split()
+    return (words[0] if words and words[0] in STATES else ""), dict(w.split("=", 1) for w in words[1:] if "=" in w)
+
+
+RANK_TAG = re.compile(r"\[rank (\d+)(?: attempt (\d+))?\] ")  # rank_tag's, found again in a log line
+
+
+def rank_tag(rank: str, attempt: str) -> str:
+    """What files/rank-log.py puts before every line a rank writes: `[rank 3 attempt 2] ` (`[rank 3] ` outside the
+    chart's attempts)."""
+    return f"[rank {rank}{f' attempt {attempt}' if attempt.isdigit() else ''}] "
 
 
 def run_id(attempt: int, job: str) -> str:
