@@ -279,7 +279,8 @@ def keep_evidence(evidence) -> bool:
 
 def evidence(run: str, status: int | None = None) -> dict | None:
     """This host's evidence of `run` (podstate.host_evidence), from its state directory: its watchdog's hang report,
-    its ranks' end records, the last step rank 0 published (if it is here); None without a state directory."""
+    its ranks' end records, the last step rank 0 published (if it is here; the steps in the records decide() reads
+    from them); None without a state directory."""
     directory = os.environ.get(podstate.STATE_DIR_ENV)
     if not directory or not podstate.parse_run_id(run):
         return None
@@ -293,11 +294,9 @@ def evidence(run: str, status: int | None = None) -> dict | None:
         if record and record["run"] == run:
             ends.append(record)
     found = state.read_json(podstate.PROGRESS)
-    progress = found[0] if found and found[0].get("run") == run else {}
-    steps = [s for s in (progress.get("step"), *(r["step"] for r in ends),
-                         *(r["step"] for r in (hang or {}).get("ranks", []))) if isinstance(s, int) and s >= 0]
-    return podstate.valid_host_evidence(podstate.host_evidence(socket.gethostname(), run, status, hang, ends,
-                                                               max(steps, default=None), oom_kills()))
+    step = found[0].get("step") if found and found[0].get("run") == run else None
+    return podstate.valid_host_evidence(podstate.host_evidence(socket.gethostname(), run, status, hang, ends, step,
+                                                               oom_kills()))
 
 
 # The OOM kills the container's memory cgroup counted: cgroup v2, then v1 (runc mounts the container's own).

@@ -188,8 +188,8 @@ def valid_end_record(record) -> dict | None:
 def host_evidence(host: str, run: str, status: int | None, hang: dict | None, ends: list[dict],
                   step: int | None, oom_kills: int | None = None) -> dict:
     """What one host knows of how an attempt ended (attempts.py `evidence`): its DeepSpeed launcher's exit status
-    (nossh; ssh has pdsh's), its watchdog's HangReport, its ranks' EndRecords, the last step it saw and the OOM kills
-    its memory cgroup has counted (since the container started)."""
+    (nossh; ssh has pdsh's), its watchdog's HangReport, its ranks' EndRecords, the last step rank 0 published there
+    (if rank 0 is there) and the OOM kills its memory cgroup has counted (since the container started)."""
     return {"v": VERSION, "kind": "evidence", "host": clean(host, 253), "run": clean(run, 64),
             "status": status, "hang": hang, "ends": ends, "step": step, "oom_kills": oom_kills}
 
