@@ -445,14 +445,18 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
 TOOK = r"(\d+h\d\dm|(\d+m)?\d+s)"  # how long an attempt took, as `make why` says it: 41s, 2m03s, 1h02m
 
 
-def make_why(namespace: str, mode: str) -> tuple[str, float]:
-    """`make why`'s paragraph (scripts/deployctl/why.py), read from this API server as a person's kubeconfig reads
-    it, and the seconds it took."""
+def why_release(namespace: str, mode: str):
+    """This tier's release as scripts/deployctl/why.py sees it, and the API as a person's kubeconfig reaches it."""
     from kubernetes import client, config
 
     config.load_kube_config()
-    release = why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode,
-                          [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS], 1, "/checkpoints")
+    return why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode,
+                       [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS], 1, "/checkpoints"), client
+
+
+def make_why(namespace: str, mode: str) -> tuple[str, float]:
+    """`make why`'s paragraph, read from this API server, and the seconds it took."""
+    release, client = why_release(namespace, mode)
     started = time.monotonic()
     text = why.why_text(release, why.read(client.CoreV1Api(), client.BatchV1Api(), release))
     return text, time.monotonic() - started
@@ -460,11 +464,7 @@ def make_why(namespace: str, mode: str) -> tuple[str, float]:
 
 def make_logs(namespace: str, mode: str, rank: int, attempt: int | None) -> list[str]:
     """`make logs RANK= ATTEMPT=`'s lines, from this API server."""
-    from kubernetes import client, config
-
-    config.load_kube_config()
-    release = why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode,
-                          [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS], 1, "/checkpoints")
+    release, client = why_release(namespace, mode)
     return why.rank_log(client.CoreV1Api(), release, rank, attempt)
 
 
