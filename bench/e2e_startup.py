@@ -15,7 +15,7 @@
    and the drill measures the time from the fault (for a hang: from the last step before it) to its detection
    (the run failing, the watchdog's report, the straggler line, the ranks' agreed stop) and to the first
    optimizer step of the retry (in-pod retry), the steps lost, the pods recreated, and the job's failure budget
-   used (files/attempts.py: a preemption spends none). Goals: a crash <= 15 s, a hang detected and resumed
+   used (podruntime/ledger.py: a preemption spends none). Goals: a crash <= 15 s, a hang detected and resumed
    <= 150 s after its last step, a preemption loses <= 1 step.
 3. Recovery at N hosts (--hosts): a rank of worker 1 SIGKILLed at step ~50 (checkpoint every 20) -> the first
    optimizer step after the resume, for both modes (the in-pod retry) against bare `deepspeed --no_ssh` under the

@@ -27,12 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from podruntime import objectstore  # noqa: E402
 from tests.support import s3  # noqa: E402
-from tests.support.chart import pod_script  # noqa: E402
 from tests.support.train_run import cpu_ds_config, run_per_worker, write_ds_config  # noqa: E402
 from train import checkpoint  # noqa: E402
-
-objectstore = pod_script("objectstore")
 
 
 def timed(run) -> tuple[float, object]:
@@ -60,7 +58,7 @@ def plain_put(store, bucket: str, tag_dir: Path) -> int:
 
 
 def restore_both(gateway: dict, bucket: str, dirs: list[Path]) -> None:
-    """Both workers' restore containers at once, as files/objectstore.py runs in them (python3 -I)."""
+    """Both workers' restore containers at once, as the pods run them (python3 -I <scripts> objectstore restore)."""
     procs = [subprocess.Popen(s3.objectstore_argv("restore"),
                               env={"PATH": os.environ["PATH"], **s3.worker_env(gateway, bucket, d, n)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,7 +1,7 @@
 """What the progress reporting costs, side by side on this machine (issue: progress ConfigMap and metrics):
 (a) a rank's `rankstate.beat(step)` per step without DS_RANK_STATE_DIR (nothing written), (b) with it (the state
 line, and rank 0's progress.json every PUBLISH_EVERY_S), (c) rank 0's goodput record per step (train/goodput.py),
-and (d) the progress sidecar (files/sidecar.py): its CPU
+and (d) the progress sidecar (podruntime/sidecar.py): its CPU
 while a rank beats STEPS_PER_S steps a second and a scraper reads /metrics every second, as Prometheus would.
 
     python bench/progress_overhead.py [--seconds 20]
@@ -81,7 +81,7 @@ def main() -> None:
         rows.append(("goodput record, rank 0 (the .step line; the record every 2 s)",
                      f"{per_goodput_step_us(state_dir):.2f} us/step"))
         port = free_port()
-        sidecar = subprocess.Popen([sys.executable, str(ROOT / "charts/deepspeed-training/files/sidecar.py"),
+        sidecar = subprocess.Popen([sys.executable, "-I", str(ROOT / "charts/deepspeed-training/files"), "sidecar",
                                     "--metrics-port", str(port), "--progress", "--job", "--world-size", "2"],
                                    env={**base, "DS_RANK_STATE_DIR": state_dir},
                                    stdout=subprocess.DEVNULL)

@@ -1,14 +1,15 @@
 """How the chart's fixed costs grow with the number of workers (issue: cost that does not grow with workers).
 
 1. Readiness, on namespace hosts (tests/support/harness.py; root), no ranks: N worker pods are started at once, then
-   - ssh: the launcher pod runs its real entrypoint (launcher.sh) with, as the DeepSpeed command, pdsh as
-     DeepSpeed's runner starts it (`-f 1024`) running `sleep 2` on every host: the ledger, wait-for-workers.sh
+   - ssh: the launcher pod runs its real entrypoint (the attempt loop, `launcher`) with, as the DeepSpeed command,
+     pdsh as DeepSpeed's runner starts it (`-f 1024`) running `sleep 2` on every host: the ledger, the meeting
      (DNS, SSH and the worker template of every host, clearing stale ranks on it), the run. Measured from the
      last worker pod's start to "all N workers are reachable" and to the run's start, the fan-out's cost (the
      run's time less the 2 s), and the launcher pod's peak memory (the largest resident memory of its process
      tree at once, sampled every 50 ms), also during the run alone (pdsh holding N sessions);
-   - nossh: every worker runs the start barrier (gang-barrier.py, as nossh-worker.sh starts it), measured from
-     the last worker's start to the last worker through.
+   - nossh: every worker runs its real entrypoint (the attempt loop, `nossh-worker`) with `true` as the DeepSpeed
+     command: the meeting on worker 0, the ledger, a run that ends at once; measured from the last worker's start to
+     the last worker through.
    With the time until every worker's entrypoint has started its sshd: on this machine's 2 cores, N pods starting
    at once compete for the CPU, which a cluster's nodes do not.
 2. The chart alone: `helm template` (with its schema) of N replicas in both modes, and the size of the config
@@ -52,7 +53,7 @@ from tests.support.harness import (  # noqa: E402
 from train.deepspeed_mirror import PDSH_MAX_FAN_OUT  # noqa: E402
 
 CONFIGMAP_LIMIT = 1 << 20  # the API server's object size limit for a ConfigMap's data
-SIDECAR = CHART / "files" / "sidecar.py"
+SIDECAR = CHART / "files"  # the scripts directory, run as a program: `sidecar ...`
 BEFORE = "d21c687"  # the commit before this sidecar: its files/progress.py, every pod a writer of the whole object
 IN_CLUSTER = """
 import runpy, sys
@@ -103,7 +104,7 @@ def readiness_ssh(shared: Path, hosts: int) -> dict:
         up = time.monotonic()  # the last worker pod started (its sshd not yet listening)
         launcher = cluster.pods_of("launcher")[0]
         argv = launcher.container.get("command", []) + launcher.container.get("args", [])
-        script = next(i for i, a in enumerate(argv) if a.endswith("launcher.sh"))
+        script = argv.index("launcher")
         # The run: pdsh as DeepSpeed's runner starts it, holding every host's session for HOLD_S.
         fan_out = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(w.fqdn for w in workers),
                    "sleep", str(HOLD_S)]
@@ -136,10 +137,10 @@ def readiness_nossh(shared: Path, hosts: int) -> dict:
     values = e2e_values(shared, workers=hosts)
     values["launchMode"] = "nossh"
     values["job"]["waitTimeoutSeconds"] = 300
-    barrier = ('mapfile -t h < <(bash /etc/deepspeed/scripts/hosts.sh "$DS_CONFIG_DIR/hostfile"); exec python3 '
-               '/etc/deepspeed/scripts/gang-barrier.py "$JOB_COMPLETION_INDEX" "$DS_BARRIER_PORT" 300 "${h[@]}"')
     with Cluster(render(values)) as cluster:
-        processes = [cluster.start(worker, argv=["bash", "-c", barrier]) for worker in cluster.pods_of("worker")]
+        workers = cluster.pods_of("worker")
+        argv = [*workers[0].container["command"], "true"]  # the loop, with a run that ends at once
+        processes = [cluster.start(worker, argv=argv) for worker in workers]
         up = time.monotonic()
         done = wait_for(lambda: all(p.poll() is not None for p in processes), 300, "every worker through the barrier",
                         interval=0.01)
@@ -197,9 +198,10 @@ def api_run(design: str, workers: int, seconds: float, env: dict, kubeconfig: st
         state.mkdir(parents=True, exist_ok=True)
         dirs.append(state)
         if name == "launcher":
-            (state / "verdict.json").write_text(json.dumps({"v": 1, "state": "starting", "attempt": "1",
+            (state / "verdict.json").write_text(json.dumps({"v": 2, "state": "starting", "attempt": "1",
                                                             "time": time.time()}))
-        args = ["--configmap", "bench-progress", *(role if design == "now" else [])]
+        args = [*(["sidecar"] if design == "now" else []), "--configmap", "bench-progress",
+                *(role if design == "now" else [])]
         processes.append(subprocess.Popen(
             [sys.executable, "-c", IN_CLUSTER, str(work / "token"), str(work / "ca.crt"), str(script), *args],
             env={**env, "DS_RANK_STATE_DIR": str(state), "DS_NODE_RANK": node_rank}, stdout=subprocess.PIPE,

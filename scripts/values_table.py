@@ -8,7 +8,6 @@ run-state protocol's CAUSES (train/podstate.py) docs/failures.md's table of why 
 """
 
 import argparse
-import importlib.util
 import json
 import re
 import sys
@@ -67,10 +66,9 @@ def table(values_yaml: str) -> str:
 
 
 def metrics_table() -> str:
-    """The sidecar's metrics (files/sidecar.py METRICS): name, label, which pod serves it, what it is."""
-    spec = importlib.util.spec_from_file_location("sidecar", CHART / "files" / "sidecar.py")
-    sidecar = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sidecar)
+    """The sidecar's metrics (podruntime/sidecar.py METRICS): name, label, which pod serves it, what it is."""
+    from podruntime import sidecar  # noqa: PLC0415
+
     rows = ["| metric | label | served by | what |", "| --- | --- | --- | --- |"]
     for name, label, doc, where, _ in sidecar.METRICS:
         rows.append(f"| `{sidecar.METRIC}_{name}` | {f'`{label}`' if label else ''} | {where} | {doc} |")
@@ -78,13 +76,33 @@ def metrics_table() -> str:
 
 
 def causes_table() -> str:
-    """Why an attempt ends (train/podstate.py CAUSES): the cause, who decides it and from what, the budget."""
-    sys.path.insert(0, str(ROOT))
-    from train import podstate  # noqa: PLC0415
+    """Why an attempt ends (podruntime/causes.py CAUSES): the cause, who decides it and from what, the budget."""
+    from podruntime import causes  # noqa: PLC0415
 
     rows = ["| cause | decided by | from | spends the failure budget |", "| --- | --- | --- | --- |"]
-    for cause, (who, evidence, budget) in podstate.CAUSES.items():
+    for cause, (who, evidence, budget) in causes.CAUSES.items():
         rows.append(f"| `{cause}` | {who} | {evidence} | {budget} |")
+    return "\n".join(rows)
+
+
+def rules_table() -> str:
+    """The pods' policy (podruntime/causes.py ATTEMPT_RULES), in its order."""
+    from podruntime import causes  # noqa: PLC0415
+
+    rows = ["| order | cause | when |", "| --- | --- | --- |"]
+    for i, rule in enumerate(causes.ATTEMPT_RULES, 1):
+        cause = "the rank's own (its end record's)" if rule.cause not in causes.CAUSES else f"`{rule.cause}`"
+        rows.append(f"| {i} | {cause} | {rule.evidence} |")
+    return "\n".join(rows)
+
+
+def cluster_rules_table() -> str:
+    """make why's refinement (podruntime/causes.py CLUSTER_RULES), strongest first."""
+    from podruntime import causes  # noqa: PLC0415
+
+    rows = ["| strength | cause | what the API server shows |", "| --- | --- | --- |"]
+    for i, rule in enumerate(causes.CLUSTER_RULES, 1):
+        rows.append(f"| {i} | `{rule.cause}` | {rule.evidence} |")
     return "\n".join(rows)
 
 
@@ -120,6 +138,9 @@ def main() -> int:
     fresh_metrics = between(metrics_text, METRICS_BEGIN, METRICS_END, metrics_table())
     causes_text = CAUSES_DOC.read_text()
     fresh_causes = between(causes_text, CAUSES_BEGIN, CAUSES_END, causes_table())
+    fresh_causes = between(fresh_causes, "<!-- rules-table:begin -->", "<!-- rules-table:end -->", rules_table())
+    fresh_causes = between(fresh_causes, "<!-- cluster-rules-table:begin -->", "<!-- cluster-rules-table:end -->",
+                           cluster_rules_table())
     files = ((readme, text, fresh), (schema_path, schema_text, fresh_schema),
              (METRICS_DOC, metrics_text, fresh_metrics), (CAUSES_DOC, causes_text, fresh_causes))
     if args.check:

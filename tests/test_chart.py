@@ -2,7 +2,6 @@
 
 import base64
 import json
-import re
 import subprocess
 
 import pytest
@@ -144,7 +143,7 @@ def test_train_config_and_args_reach_the_launcher_command():
     assert json.loads(config_data(docs)["train_config.json"]) == {"steps": 7}
     _, job = workloads(docs)
     args = container(job)["args"]
-    assert container(job)["command"] == ["bash", "/etc/deepspeed/scripts/launcher.sh"]
+    assert container(job)["command"] == ["python3", "-I", "/etc/deepspeed/scripts", "launcher"]
     assert args[0] == "deepspeed"
     # DeepSpeed's launcher runs each rank through the chart's rank-log.py (its lines carry its rank and attempt).
     assert args[args.index("-m") - 1:args.index("-m") + 2] == ["/etc/deepspeed/scripts/rank-log.py", "-m", "mytrain"]
@@ -253,12 +252,12 @@ def test_the_progress_role_patches_one_configmap_and_only_the_sidecar_holds_its_
         assert token_mounts(pod) == {"progress": ["progress-token"], main: []}
         sidecar = pod["initContainers"][0]
         assert sidecar["restartPolicy"] == "Always"  # a native sidecar: the Job's pod ends with its main container
-        assert sidecar["command"][1:3] == ["-I", "/etc/deepspeed/scripts/sidecar.py"]
+        assert sidecar["command"][:4] == ["python3", "-I", "/etc/deepspeed/scripts", "sidecar"]
         # Node rank 0's sidecar holds rank 0's progress; the ledger's owner's (ssh: launcher; nossh: worker 0) the
         # job's record. DS_NODE_RANK says which worker a pod is.
         role = (["--progress", "--job"] if mode == "nossh" else ["--progress"]) if main == "worker" else ["--job"]
         sizes = ["--world-size", "2", "--ranks-per-pod", "1"] if main == "worker" else []
-        assert sidecar["command"][3:] == ["--configmap", "job-deepspeed-training-progress", *role, *sizes,
+        assert sidecar["command"][4:] == ["--configmap", "job-deepspeed-training-progress", *role, *sizes,
                                           "--metrics-port", "9400"]
         node_rank = {e["name"]: e for e in sidecar["env"]}.get("DS_NODE_RANK")
         label = "batch.kubernetes.io/job-completion-index" if mode == "nossh" else "apps.kubernetes.io/pod-index"
@@ -629,7 +628,9 @@ def test_metrics_scrapers_name_labels_and_the_metrics_port_is_its_own():
     assert 'progress.metricsFrom[0].podSelector.matchLabels: key "bad key" is not' in err.value.stderr
     for values, taken in (({"ssh": {"port": 9400}}, "ssh.port"), ({"deepspeed": {"masterPort": 9400}},
                                                                   "deepspeed.masterPort"),
-                          ({"launchMode": "nossh", "deepspeed": {"masterPort": 9399}}, "the start barrier's port")):
+                          ({"launchMode": "nossh", "deepspeed": {"masterPort": 9401}},
+                           "the attempt loop's channel port (deepspeed.masterPort - 1)"),
+                          ({"deepspeed": {"masterPort": 9401}}, "the attempt loop's channel port")):
         with pytest.raises(HelmError) as err:
             render_chart(values)
         assert f"progress.metricsPort: 9400 is also {taken}" in err.value.stderr
@@ -673,7 +674,6 @@ def reserved_env_names() -> set[str]:
 
 def test_every_env_name_the_chart_or_deepspeed_sets_is_reserved():
     import ast
-    import importlib.util
     import inspect
 
     import deepspeed.launcher.launch as launch
@@ -697,17 +697,14 @@ def test_every_env_name_the_chart_or_deepspeed_sets_is_reserved():
             spec = workload["spec"]["template"]["spec"]
             for c in spec.get("initContainers", []) + spec["containers"]:
                 set_by_chart |= {e["name"] for e in c.get("env", [])} - {"APP_PLAIN", "APP_SECRET", "APP_EXTRA"}
-    assert {"DS_RESUME_FROM_DIR", "DS_AUTOTUNING_RESULTS", "DS_BARRIER_PORT", "DS_HANG_STEP_SECONDS",
+    assert {"DS_RESUME_FROM_DIR", "DS_AUTOTUNING_RESULTS", "DS_CHANNEL_PORT", "DS_HANG_STEP_SECONDS",
             "DS_GPUS_PER_WORKER"} <= set_by_chart  # the branches above were taken
     assert set_by_chart - reserved == set()
-    # The pod scripts' env for the ranks: the ledger's (files/attempts.py) and pdsh's (launcher.sh's export).
-    spec = importlib.util.spec_from_file_location("attempts", CHART / "files" / "attempts.py")
-    attempts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(attempts)
-    assert set(attempts.ENV_KEYS) - reserved == set()
-    exported = {name for script in (CHART / "files").glob("*.sh")
-                for line in script.read_text().splitlines() if line.strip().startswith("export ")
-                for name in re.findall(r"\b([A-Z_][A-Z0-9_]*)=", line)}
+    # The pod runtime's env for the ranks: the ledger's attempt (protocol.ATTEMPT_ENV) and pdsh's (sshmode).
+    from podruntime import protocol, sshmode
+
+    assert set(protocol.ATTEMPT_ENV.values()) - reserved == set()
+    exported = set(sshmode.pdsh_env({})) | {protocol.STATE_DIR_ENV, protocol.PROTOCOL_ENV}
     assert "PDSH_RCMD_TYPE" in exported and exported - reserved == set()
     # DeepSpeed's launcher: every `current_env[NAME] = ...` in its main(), the pinned version's own source, and
     # what the calls that get current_env set (only the accelerator's visible devices, and Popen, which runs it).

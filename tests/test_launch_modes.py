@@ -29,10 +29,10 @@ def test_nossh_renders_no_ssh_no_launcher_no_token():
     assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "Job", "NetworkPolicy", "Role", "RoleBinding",
                      "Service", "ServiceAccount"]  # Role: the progress sidecar's (tests/test_chart.py)
     scripts = one(docs, "ConfigMap", "-scripts")
-    assert set(scripts["data"]) == {"hosts.sh", "kill-ranks.sh", "run-child.sh", "watchdog.py", "attempts.py",
-                                    "rank-log.py", "sidecar.py", "podstate.py", "podstate.sh", "nossh-worker.sh",
-                                    "gang-barrier.py"}
-    text = str([d for d in docs if d is not scripts])
+    package = {f"podruntime.{p.name}" for p in (CHART / "files" / "podruntime").glob("*.py")}
+    assert set(scripts["data"]) == {"__main__.py", "rank-log.py", *package}  # no shell: no sshd, no ssh setup
+    text = str([d for d in docs if d is not scripts]).replace("podruntime/sshmode.py", "").replace(
+        "podruntime.sshmode.py", "")  # the whole package ships; nothing of the ssh mode runs
     assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
     assert [p["port"] for p in one(docs, "Service")["spec"]["ports"]] == [29500]
     config = one(docs, "ConfigMap", "-config")["data"]
@@ -41,8 +41,8 @@ def test_nossh_renders_no_ssh_no_launcher_no_token():
     pod = job["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     assert pod["restartPolicy"] == "Never"
-    assert [p["name"] for p in container(job)["ports"]] == ["rendezvous", "barrier"]
-    assert [p["containerPort"] for p in container(job)["ports"]] == [29500, 29501]
+    assert [p["name"] for p in container(job)["ports"]] == ["rendezvous", "channel"]
+    assert [p["containerPort"] for p in container(job)["ports"]] == [29500, 29499]
     assert "readinessProbe" not in container(job)
 
 
@@ -76,8 +76,8 @@ def test_nossh_workers_are_an_indexed_job_that_finds_worker_0_through_the_headle
     args = container(job)["args"]
     assert args[:5] == ["deepspeed", "--hostfile=/etc/deepspeed/config/hostfile", "--no_ssh",
                         f"--master_addr=job-deepspeed-training-worker-r1-0.{domain}", "--master_port=29500"]
-    assert container(job)["command"] == ["bash", "/etc/deepspeed/scripts/nossh-worker.sh"]
-    assert env_of(job)["DS_WORLD_SIZE"] == "6" and env_of(job)["DS_BARRIER_PORT"] == "29501"
+    assert container(job)["command"] == ["python3", "-I", "/etc/deepspeed/scripts", "nossh-worker"]
+    assert env_of(job)["DS_WORLD_SIZE"] == "6" and env_of(job)["DS_CHANNEL_PORT"] == "29499"
 
 
 def test_nossh_env_reaches_the_ranks_as_pod_env():
@@ -135,7 +135,7 @@ def test_the_hang_watchdog_gets_its_budgets_in_both_modes_and_goes_when_disabled
             "on", "300", "30")
         off = env_of(workload(render_chart({**mode, "hangDetection": {"enabled": False}})))
         assert off["DS_HANG_DETECTION"] == "off" and "DS_HANG_STEP_SECONDS" not in off  # the one switch
-        assert "watchdog.py" in one(render_chart(mode), "ConfigMap", "-scripts")["data"]
+        assert "podruntime.watchdog.py" in one(render_chart(mode), "ConfigMap", "-scripts")["data"]
 
 
 @pytest.mark.parametrize("values, message", [
@@ -219,7 +219,9 @@ def test_kueue_queue_and_rank_ordered_topology_go_on_the_workers():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({**NOSSH, "deepspeed": {"masterPort": 65535}}, "deepspeed.masterPort: 65535 leaves no port for the start barrier"),
+    ({**NOSSH, "deepspeed": {"masterPort": 1024}}, "deepspeed.masterPort: 1024 leaves no unprivileged port for the "
+     "attempt loop's channel"),
+    ({"ssh": {"port": 29499}}, "ssh.port: 29499 is also the attempt loop's channel port (deepspeed.masterPort - 1)"),
     ({"scheduling": {"kueueTopology": {"mode": "required", "level": ""}, "kueueQueueName": "q"}},
      "scheduling.kueueTopology: mode \"required\" and level \"\" go together"),
     ({"scheduling": {"kueueTopology": {"mode": "preferred", "level": "rack"}}},

@@ -1,8 +1,9 @@
-"""The object store of checkpoints (files/objectstore.py) against a real S3-compatible gateway (Ceph's RADOS Gateway,
-tests/support/s3.py), with checkpoints the real DeepSpeed engine wrote on two workers' own volumes: parts uploaded
-and committed once every worker's is there, every pod and volume lost and the job resumed from the bucket with the
-same losses and its failure budget, a tag cut by a kill during its upload never restored, retention, what a tenant
-plants in a checkpoint directory, and a wrong bucket, key or endpoint refused in one line before any rank starts."""
+"""The object store of checkpoints (podruntime/objectstore.py) against a real S3-compatible gateway (Ceph's RADOS
+Gateway, tests/support/s3.py), with checkpoints the real DeepSpeed engine wrote on two workers' own volumes: parts
+uploaded and committed once every worker's is there, every pod and volume lost and the job resumed from the bucket
+with the same losses and its failure budget, a tag cut by a kill during its upload never restored, retention, what a
+tenant plants in a checkpoint directory or where the restore writes, and a wrong bucket, key or endpoint refused in
+one line before any rank starts."""
 
 import json
 import os
@@ -10,22 +11,24 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from podruntime import checkpoints, objectstore, protocol
+from podruntime.ledger import Ledger
+from podruntime.tenantfiles import Tree
+from podruntime.text import Log
 from tests.support import s3
-from tests.support.chart import CHART, pod_script
+from tests.support.chart import pod_program
 from tests.support.harness import wait_for
 from tests.support.ports import free_port
 from tests.support.train_run import TINY, metrics, run_per_worker
-from train import checkpoint, podstate
+from train import checkpoint
 
 pytestmark = pytest.mark.skipif(s3.unavailable() is not None, reason=s3.unavailable() or "")
-objectstore = pod_script("objectstore")
 
 
 @pytest.fixture(scope="module")
@@ -91,28 +94,24 @@ def test_ssh_a_new_launcher_pod_restores_the_ledger_and_the_job_goes_on_with_the
     launcher pod's restore puts the ledger back (and no checkpoint: the launcher keeps none), and its next attempt
     counts on from there."""
     bucket = s3.new_bucket(gateway)
-    attempts_py = CHART / "files" / "attempts.py"
 
-    def attempts(pod: Path, *command: str, **env: str) -> subprocess.CompletedProcess:
-        base = {"PATH": os.environ["PATH"], podstate.STATE_DIR_ENV: str(pod / "ranks"), "DS_RUN_RETRIES": "2",
-                "DS_ATTEMPTS_DIR": str(pod / "attempts"), "DS_JOB_UID": "abcdef12"}
+    def attempts(pod: Path) -> Ledger:
         (pod / "ranks").mkdir(parents=True, exist_ok=True)
-        return subprocess.run([sys.executable, str(attempts_py), *command], env={**base, **env}, check=True,
-                              capture_output=True, text=True)
+        return Ledger({protocol.STATE_DIR_ENV: str(pod / "ranks"), "DS_RUN_RETRIES": "2",
+                       "DS_ATTEMPTS_DIR": str(pod / "attempts"), "DS_JOB_UID": "abcdef12"}, Log("attempts"))
 
     def launcher_env(pod: Path) -> dict:
         return s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(pod / "checkpoints"),
                             DS_OBJECT_STORE_ROLE="launcher", DS_ATTEMPTS_DIR=str(pod / "attempts"))
 
     old, new = tmp_path / "launcher-old", tmp_path / "launcher-new"
-    attempts(old, "end", "1", **dict(line.split("=", 1) for line in attempts(old, "begin").stdout.splitlines()))
-    second = dict(line.split("=", 1) for line in attempts(old, "begin").stdout.splitlines())
-    attempts(old, "stopped", **second)  # the pod deleted mid-attempt
+    attempts(old).end(attempts(old).begin().number, 1, [])
+    attempts(old).mark_stopped(attempts(old).begin().number, "launcher")  # the pod deleted mid-attempt
     objectstore.Uploader(settings(launcher_env(old))).step()
     restored = s3.run_objectstore("restore", launcher_env(new))
     assert restored.returncode == 0 and "restored the job's attempts records" in restored.stdout, restored
     assert "restored step_" not in restored.stdout and not (new / "checkpoints").exists()
-    assert "attempt 3 (1 of 2 failures used, 1 preemption)" in attempts(new, "begin").stderr
+    assert attempts(new).begin().line == "attempt 3 (1 of 2 failures used, 1 preemption)"
 
 
 def test_a_shared_claim_restores_every_part_into_one_directory_with_one_commit(gateway, trained_on_worker_volumes,
@@ -239,7 +238,7 @@ def test_links_fifos_and_devices_planted_in_a_checkpoint_are_neither_followed_no
     # commit.json itself a FIFO: the tag is not complete, and nothing blocks
     os.replace(tag / "commit.json", tmp_path / "kept.json")
     os.mkfifo(tag / "commit.json")
-    assert podstate is not None and objectstore.tags.complete_tags(directory) == []
+    assert checkpoints.complete_tags(Tree(directory)) == []
 
 
 @pytest.mark.parametrize("case", ["bucket", "keys", "endpoint", "tls without the CA", "tls"])
@@ -270,7 +269,7 @@ def test_a_store_the_pods_cannot_use_is_refused_before_any_rank_in_one_line_nami
 
 
 def test_the_sidecar_uploads_in_the_background_and_serves_how_far_the_bucket_is(gateway, tmp_path):
-    """files/sidecar.py as a worker pod's runs it, with the chart's object-store env: the uploads run in a thread
+    """The sidecar as a worker pod's runs it, with the chart's object-store env: the uploads run in a thread
     of their own, and its metrics say the committed step and the lag."""
     bucket = s3.new_bucket(gateway)
     directory, state = tmp_path / "ckpt", tmp_path / "ranks"
@@ -282,12 +281,12 @@ def test_the_sidecar_uploads_in_the_background_and_serves_how_far_the_bucket_is(
     attempt = tmp_path / "ledger" / "job-a" / "0002"
     attempt.mkdir(parents=True)
     port = free_port()
-    env = {"PATH": os.environ["PATH"], podstate.STATE_DIR_ENV: str(state), "PYTHONUNBUFFERED": "1",
+    env = {"PATH": os.environ["PATH"], protocol.STATE_DIR_ENV: str(state), "PYTHONUNBUFFERED": "1",
            "DS_NODE_RANK": "0", "KUBECONFIG": str(tmp_path / "none"),
            **s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory), DS_OBJECT_STORE_ROLE="worker",
                           DS_ATTEMPTS_DIR=str(tmp_path / "ledger"), DS_LEDGER_ON_WORKER0="true")}
-    sidecar = subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "sidecar.py"), "--progress",
-                                "--metrics-port", str(port)], env=env, stdout=subprocess.PIPE,
+    sidecar = subprocess.Popen([*pod_program("sidecar"), "--progress", "--metrics-port", str(port)], env=env,
+                               stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
 
     def scrape() -> str:

@@ -1,18 +1,21 @@
-"""The pods' scripts from charts/deepspeed-training/files, run for real: a non-root sshd per worker host
-and the launcher's wait-for-workers check, in network namespaces built from the rendered chart."""
+"""The pod programs as the pods run them (`python3 -I /etc/deepspeed/scripts PROGRAM`, from the rendered chart's
+ConfigMap), for real: a non-root sshd per worker host and the launcher's meeting of its workers, the rank stopper and
+the watchdog, in network namespaces built from the rendered chart."""
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.support.chart import HELM, ROOT, render_chart
-from tests.support.harness import Cluster, ensure_user, namespaces_available
+from tests.support.harness import Cluster, ensure_user, namespaces_available, wait_for
 
 REASON = namespaces_available() or (None if HELM else "no helm binary; run `make setup`")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 SCRIPTS, CONFIG = "/etc/deepspeed/scripts", "/etc/deepspeed/config"
-WAIT = f"source {SCRIPTS}/ssh-setup.sh && bash {SCRIPTS}/wait-for-workers.sh"
+PROGRAM = f"python3 -I {SCRIPTS}"  # a pod program, as the pods' shells run it
+WAIT = f"source {SCRIPTS}/ssh-setup.sh && {PROGRAM} wait-for-workers"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def test_a_worker_with_another_host_key_is_refused(docs):
         launcher = start_workers(cluster, 2)
         script = (f"source {SCRIPTS}/ssh-setup.sh && ssh-keygen -q -t ecdsa -N '' -f /tmp/other && "
                   "echo \"[*.$DS_WORKER_DOMAIN]:2222 $(cat /tmp/other.pub)\" > ~/.ssh/known_hosts && "
-                  f"bash {SCRIPTS}/wait-for-workers.sh {CONFIG}/hostfile 1 1")
+                  f"{PROGRAM} wait-for-workers {CONFIG}/hostfile 1 1")
         result = cluster.exec(launcher, ["bash", "-c", script], timeout=30)
         assert result.returncode == 1
         assert "Host key verification failed" in result.stdout
@@ -148,7 +151,7 @@ def test_kill_ranks_does_not_hold_the_pod_for_ranks_that_cannot_save(docs):
                   # the three state files (not their .stacks beside them); the loop ran out its 20 s before
                   "for i in $(seq 100); do [[ $(ls $DS_RANK_STATE_DIR 2> /dev/null | grep -c '^[0-9]*$') == 3 ]] "
                   "&& break; sleep 0.2; done; "
-                  f"start=$SECONDS; bash {SCRIPTS}/kill-ranks.sh; echo \"took $((SECONDS - start))s\"; wait; "
+                  f"start=$SECONDS; {PROGRAM} stop-ranks; echo \"took $((SECONDS - start))s\"; wait; "
                   "cat /tmp/launch.log")
         started = time.monotonic()
         result = cluster.exec(worker, ["bash", "-c", script], timeout=90)
@@ -178,7 +181,7 @@ def test_the_watchdog_ends_a_save_that_never_ends_and_never_judges_a_stopping_ra
                   "DS_HANG_STEP_SECONDS=100 DS_HANG_CHECKPOINT_SECONDS=2; "
                   "python3 /tmp/fake_rank.py stopping --local_rank=1 & stopping=$!; "
                   "python3 /tmp/fake_rank.py saving --local_rank=0 & saving=$!; "
-                  f"python3 {SCRIPTS}/watchdog.py & dog=$!; "
+                  f"{PROGRAM} watchdog & dog=$!; "
                   "wait $saving; echo \"saving rank: $?\"; wait $stopping; echo \"stopping rank: $?\"; "
                   "kill $dog; echo \"pids saving=$saving stopping=$stopping\"")
         result = cluster.exec(worker, ["bash", "-c", script], timeout=60)
@@ -188,3 +191,43 @@ def test_the_watchdog_ends_a_save_that_never_ends_and_never_judges_a_stopping_ra
         assert f"(pid {saving}, " in hung and "(budget 2s, saving after step 7)" in hung, out
         assert f"(pid {stopping}, " not in hung, out
         assert "saving rank: 137" in out and "stopping rank: 137" in out, out  # the attempt ends for every rank
+
+
+def process_stat(pid: str) -> list[str]:
+    """A process's /proc stat fields after its name (state, ppid, ...), or [] once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def test_a_pods_entrypoint_reaps_every_orphan_like_an_init(docs):
+    """The worker's entrypoint is PID 1 of its container: a process orphaned there (a rank whose DeepSpeed launcher
+    died, a launcher whose SSH session closed, a rank tagger's prefixer) is reaped when it ends, never left a zombie
+    that looks alive to the rank stopper waiting for it."""
+    with Cluster(docs) as cluster:
+        launcher = start_workers(cluster, 1)
+        worker = cluster.pods_of("worker")[0]
+        # Over SSH, as the launcher starts ranks: a session that leaves a short-lived child behind, which is
+        # reparented to the worker's PID 1 when the session ends, then ends itself.
+        orphaning = cluster.exec(launcher, ["bash", "-c", f"source {SCRIPTS}/ssh-setup.sh && ssh -F ~/.ssh/config "
+                                            f"{worker.fqdn} '( sleep 1 & ); exit 0'"], timeout=30)
+        assert orphaning.returncode == 0, orphaning.stdout
+        procs = [p.name for p in Path("/proc").glob("[0-9]*")]
+        init = next(pid for pid in procs if process_stat(pid)[1:2] == [str(worker.process.pid)])  # the pod's PID 1
+
+        def children() -> list[tuple[str, str]]:
+            """(state, command) of every child of the pod's PID 1 (a zombie has no network namespace left)."""
+            found = []
+            for proc in Path("/proc").glob("[0-9]*"):
+                fields = process_stat(proc.name)
+                try:
+                    if fields[1:2] == [init]:
+                        found.append((fields[0], (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+                except OSError:
+                    continue  # gone meanwhile
+            return found
+
+        # The orphan sleeps, then ends; reaped, it leaves no zombie. Never reaped, the wait runs out.
+        wait_for(lambda: not [s for s, command in children() if s == "Z" or command.startswith("sleep 1")], 30,
+                 "the orphan to end and be reaped", lambda: str(children()))

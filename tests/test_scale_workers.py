@@ -1,22 +1,19 @@
 """The scale-down after a successful run (launcher.scaleDownWorkers): the launcher pod's progress sidecar
-(files/sidecar.py --scale-down, the `kubernetes` client), the only container with a token, patches the workers'
+(podruntime/sidecar.py --scale-down, the `kubernetes` client), the only container with a token, patches the workers'
 scale once the ledger says the job is done, and never otherwise. Against a local stand-in for the API server that
 records what it is sent; the cluster tier (tests/cluster) does it on a real one."""
 
 import http.server
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 
 import pytest
 
-from tests.support.chart import CHART, pod_script
+from podruntime.ledger import Ledger
+from tests.support.chart import pod_program
 from tests.support.harness import wait_for
-
-attempts = pod_script("attempts")
 
 SCALE = ("PATCH", "/apis/apps/v1/namespaces/ml/statefulsets/job-worker/scale", "application/strategic-merge-patch+json",
          {"spec": {"replicas": 0}}, "Bearer sidecar-token")
@@ -55,14 +52,13 @@ def api(tmp_path):
 
 
 class Sidecar:
-    """files/sidecar.py --scale-down as the launcher pod runs it (python3 -I), its output collected as it comes."""
+    """The sidecar with --scale-down as the launcher pod runs it (python3 -I), its output collected as it comes."""
 
     def __init__(self, state_dir, kubeconfig):
         env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": "ml",
                "DS_RANK_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "sidecar.py"), "--scale-down",
-                                         "job-worker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
+        self.process = subprocess.Popen([*pod_program("sidecar"), "--scale-down", "job-worker"], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
         self.reader.start()
@@ -78,12 +74,8 @@ class Sidecar:
 
 
 def say(state_dir, state: str) -> None:
-    """The ledger's verdict, written by the real pod script (attempts.py runs in the launcher's container)."""
-    os.environ["DS_RANK_STATE_DIR"] = str(state_dir)
-    try:
-        attempts.say(state)
-    finally:
-        del os.environ["DS_RANK_STATE_DIR"]
+    """The ledger's verdict, written by the real ledger (it runs in the launcher's container)."""
+    Ledger({"DS_RANK_STATE_DIR": str(state_dir), "DS_ATTEMPTS_DIR": str(state_dir / "attempts")}).say(state)
 
 
 def test_the_sidecar_scales_the_workers_down_once_the_ledger_says_done(tmp_path, api):

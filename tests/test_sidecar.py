@@ -1,7 +1,7 @@
-"""The sidecar (charts/deepspeed-training/files/sidecar.py), run as the pods run it (`python3 -I`), on the files the
-real writers leave: train/rankstate.py (rank 0's progress, every rank's state line), attempts.py (the ledger's
-verdict). Its writes of the progress ConfigMap go to a local stand-in that applies them as the API server applies a
-JSON merge patch (the cluster tier patches a real one); its metrics are scraped by a real Prometheus.
+"""The sidecar (podruntime/sidecar.py), run as the pods run it (`python3 -I <scripts> sidecar`), on the files the
+real writers leave: train/rankstate.py (rank 0's progress, every rank's state line), podruntime/ledger.py (the
+ledger's verdict). Its writes of the progress ConfigMap go to a local stand-in that applies them as the API server
+applies a JSON merge patch (the cluster tier patches a real one); its metrics are scraped by a real Prometheus.
 
 Hostile cases beside the legitimate ones: a state directory planted with links, a FIFO and huge files (the sidecar
 holds the release's token), and a pod flooding its metrics with ranks and goodput keys."""
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chart import CHART, HELM, ROOT, pod_script, render_chart
+from podruntime import protocol
+from podruntime import sidecar as sidecar_module
+from podruntime.ledger import Ledger
+from podruntime.text import Log
+from tests.support.chart import HELM, ROOT, pod_program, render_chart
 from tests.support.harness import wait_for
 from tests.support.ports import free_port
 from tests.support.prometheus import DASHBOARD, PROMETHEUS, dashboard_queries, query, scraping
-from train import podstate
-
-SIDECAR = CHART / "files" / "sidecar.py"
-ATTEMPTS = CHART / "files" / "attempts.py"
 
 RANKS = """
 import sys
@@ -45,19 +45,23 @@ rankstate.publish(steps=100, loss=0.5 if rank == "0" else 9.9, tokens_per_s=1234
 
 
 def ledger(state_dir: Path, command: str, tmp: Path | None = None, **env: str) -> dict[str, str]:
-    """attempts.py as the ledger's owner runs it, writing its verdict into `state_dir`; `begin` returns the attempt's
-    env, which `end` takes."""
-    base = {"PATH": os.environ["PATH"], podstate.STATE_DIR_ENV: str(state_dir), "DS_RUN_RETRIES": "2",
+    """The ledger as its owner keeps it, writing its verdict into `state_dir`: `begin` returns the attempt's env,
+    which `end STATUS` takes."""
+    base = {protocol.STATE_DIR_ENV: str(state_dir), "DS_RUN_RETRIES": "2",
             "DS_ATTEMPTS_DIR": str((tmp or state_dir.parent) / "attempts"), "DS_JOB_UID": "abcdef12"}
-    done = subprocess.run([sys.executable, str(ATTEMPTS), *command.split()], env={**base, **env}, check=True,
-                          capture_output=True, text=True)
-    return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    book = Ledger({**base, **env}, Log("attempts"))
+    words = command.split()
+    if words == ["begin"]:
+        return book.begin().env
+    book.counter = env
+    book.end(int(env[protocol.ATTEMPT_ENV["attempt"]]), int(words[1]), [])
+    return {}
 
 
 def run_ranks(state_dir: Path, attempt: int = 1, failures: int = 0, preemptions: int = 0) -> None:
     """Ranks 0 (7 steps) and 1 (6 steps) of an attempt, as the chart starts them, through the real rankstate. Their
     state files are named by pid and the processes are gone: they stay as a live rank's would."""
-    env = {**os.environ, podstate.STATE_DIR_ENV: str(state_dir), "DS_ATTEMPT": str(attempt),
+    env = {**os.environ, protocol.STATE_DIR_ENV: str(state_dir), "DS_ATTEMPT": str(attempt),
            "DS_FAILURES": str(failures), "DS_FAILURE_BUDGET": "2", "DS_PREEMPTIONS": str(preemptions),
            "DS_RUN_ID": f"run-{attempt:04d}-abcd"}
     for rank, steps in (("0", 7), ("1", 6)):
@@ -70,10 +74,10 @@ class Sidecar:
 
     def __init__(self, state_dir: Path, *args: str, node_rank: str = "0", kubeconfig: Path | None = None):
         self.port = free_port()
-        env = {"PATH": os.environ["PATH"], podstate.STATE_DIR_ENV: str(state_dir), "PYTHONUNBUFFERED": "1",
+        env = {"PATH": os.environ["PATH"], protocol.STATE_DIR_ENV: str(state_dir), "PYTHONUNBUFFERED": "1",
                "DS_NODE_RANK": node_rank, "POD_NAMESPACE": "ml",
                "KUBECONFIG": str(kubeconfig or state_dir.parent / "no-kubeconfig")}
-        self.process = subprocess.Popen([sys.executable, "-I", str(SIDECAR), "--metrics-port", str(self.port), *args],
+        self.process = subprocess.Popen([*pod_program("sidecar"), "--metrics-port", str(self.port), *args],
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
@@ -149,14 +153,14 @@ def test_another_workers_sidecar_serves_only_its_own_ranks(state_dir):
 
 def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended(state_dir, tmp_path):
     """The ledger's verdict and rank 0's progress, as the real writers leave them, in the ConfigMap's fields."""
-    sidecar = pod_script("sidecar")
+    sidecar = sidecar_module  # its functions, in-process
     ledger(state_dir, "end 1", tmp=tmp_path, **ledger(state_dir, "begin", tmp=tmp_path))  # attempt 1 failed
     second = ledger(state_dir, "begin", tmp=tmp_path)
-    verdict = json.loads((state_dir / podstate.VERDICT).read_text())
-    (state_dir / podstate.PROGRESS).write_text(json.dumps(
+    verdict = json.loads((state_dir / protocol.VERDICT).read_text())
+    (state_dir / protocol.PROGRESS).write_text(json.dumps(
         {"state": "training", "step": 120, "steps": 300, "loss": 0.40641, "tokens_per_s": 6100.4, "mfu": 0.412,
          "eta_s": 18.2, "checkpoint_step": 100, "time": verdict["time"] + 1}))  # after the attempt began
-    rank0 = sidecar.progress_fields(json.loads((state_dir / podstate.PROGRESS).read_text()))
+    rank0 = sidecar.progress_fields(json.loads((state_dir / protocol.PROGRESS).read_text()))
     fields = sidecar.job_fields(verdict, rank0)
     assert sidecar.summary({**rank0, **fields}) == (
         "training | step 120/300 (40.0%) | loss 0.4064 | 6,100 tokens/s | mfu 41.2% | eta 0:00:18 | checkpoint at "
@@ -172,7 +176,7 @@ def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended
     stale = {**rank0, "progressTime": f"{verdict['time'] - 5:.3f}"}  # rank 0's last word was of attempt 1
     assert sidecar.job_fields(verdict, stale)["state"] == "starting"
     ledger(state_dir, "end 0", tmp=tmp_path, **second)
-    done = sidecar.job_fields(json.loads((state_dir / podstate.VERDICT).read_text()), rank0)
+    done = sidecar.job_fields(json.loads((state_dir / protocol.VERDICT).read_text()), rank0)
     assert done["state"] == "done" and "ended:" not in sidecar.summary({**rank0, **done})
     assert (done["cause"], done["history"]) == ("completed", "1 program-error (0s); 2 completed (0s)"), done
     # Hostile history entries (the ledger runs in the tenant's image) are dropped or bounded, never published raw.
@@ -189,7 +193,7 @@ def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended
                                      json.dumps({"state": "s" * 10_000, "reason": "r\x1b]0;t\x07" * 10_000,
                                                  "step": 1e300, "goodput_line": "\x1b[2J" * 1000})])
 def test_a_programs_odd_files_are_typed_bounded_and_cleaned(content):
-    sidecar = pod_script("sidecar")
+    sidecar = sidecar_module  # its functions, in-process
     record = json.loads(content) if content.startswith(("{", "[")) else content
     record = record if isinstance(record, dict) else {}
     fields = {**sidecar.progress_fields(record), **sidecar.job_fields(record, {})}
@@ -208,8 +212,8 @@ def test_a_planted_state_directory_leaks_nothing_and_never_blocks_the_sidecar(tm
     state_dir.mkdir()
     token = tmp_path / "token"
     token.write_text("SECRET-TOKEN-" * 100)
-    (state_dir / podstate.PROGRESS).symlink_to(token)
-    os.mkfifo(state_dir / podstate.VERDICT)
+    (state_dir / protocol.PROGRESS).symlink_to(token)
+    os.mkfifo(state_dir / protocol.VERDICT)
     (state_dir / "123").symlink_to("/dev/zero")
     (state_dir / "124").write_bytes(b"training rank=0 step=" + b"9" * 10_000_000)
     sidecar = Sidecar(state_dir, "--progress", "--job", "--scale-down", "w", "--world-size", "2")
@@ -230,7 +234,7 @@ def test_a_flood_of_ranks_goodput_keys_and_states_stays_within_the_podmonitors_s
     --ranks-per-pod rank series, each below --world-size, and label values only from fixed sets."""
     for i in range(3000):
         (state_dir / str(100_000 + i)).write_text(f"training rank={i} step={i} step_s=0.1\n")
-    (state_dir / podstate.PROGRESS).write_text(json.dumps(
+    (state_dir / protocol.PROGRESS).write_text(json.dumps(
         {"state": "x\nowned", "step": 5, "goodput": {f"k{i}": 1.0 for i in range(2_000)} | {"productive": 2.0}}))
     sidecar = Sidecar(state_dir, "--progress", "--world-size", "16", "--ranks-per-pod", "8")
     try:
@@ -389,7 +393,7 @@ def test_one_writer_per_key_at_a_bounded_rate_whatever_the_workers(tmp_path):
         started = time.monotonic()
         for step in range(1, 40):  # every rank writes a progress file each 0.1 s, as a hostile program might
             for index in range(3):
-                (pods[f"worker-{index}"] / podstate.PROGRESS).write_text(json.dumps(
+                (pods[f"worker-{index}"] / protocol.PROGRESS).write_text(json.dumps(
                     {"state": "training", "step": step + 1000 * index, "steps": 100, "time": time.time()}))
             time.sleep(0.1)
         wait_for(lambda: "step 39/100" in ApiServer.data.get("summary", ""), 30, "the summary to follow rank 0",
@@ -400,7 +404,7 @@ def test_one_writer_per_key_at_a_bounded_rate_whatever_the_workers(tmp_path):
         server.shutdown()
     patches = [patch for verb, patch, _ in ApiServer.seen if verb == "PATCH"]
     keys = [set(patch["data"]) for patch in patches]
-    progress_keys, job_keys = set(pod_script("sidecar").PROGRESS_KEYS), set(pod_script("sidecar").JOB_KEYS)
+    progress_keys, job_keys = set(sidecar_module.PROGRESS_KEYS), set(sidecar_module.JOB_KEYS)
     assert all(k <= progress_keys or k <= job_keys for k in keys), keys  # each patch one writer's keys only
     assert ApiServer.data["step"] == "39" and ApiServer.data["state"] == "training", ApiServer.data
     assert all(int(patch["data"].get("step") or 0) < 1000 for patch in patches)  # workers 1, 2: nothing

@@ -93,7 +93,7 @@ def names_the_secret(c) -> bool:
 def test_the_object_stores_credentials_reach_only_the_platforms_containers(mode):
     docs = render_chart({**STORE, "launchMode": mode})
     scripts = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-scripts"))
-    assert {"objectstore.py", "tags.py"} <= set(scripts["data"]), sorted(scripts["data"])
+    assert {"podruntime.objectstore.py", "podruntime.checkpoints.py"} <= set(scripts["data"]), sorted(scripts["data"])
     for pod in pods(docs):
         holders = [c for c in pod.get("initContainers", []) + pod["containers"] if names_the_secret(c)]
         assert [c["name"] for c in holders] == ["restore", "progress"], [c["name"] for c in holders]

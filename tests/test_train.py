@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from podruntime import protocol
 from tests.support.harness import wait_for
 from tests.support.train_run import (
     TINY,
@@ -24,7 +25,7 @@ from tests.support.train_run import (
     stop_with_stacks,
     write_ds_config,
 )
-from train import checkpoint, podstate
+from train import checkpoint
 
 
 def losses(ckpt_dir) -> dict[int, float]:
@@ -179,7 +180,7 @@ def test_a_full_checkpoint_volume_stops_every_rank_in_one_line_and_the_last_comm
     state = tmp_path / "state"
     result = run_train(["--ds-config", str(ds_config), "--steps", "100", "--checkpoint-every", "2",
                         "--checkpoint-dir", str(ckpt), *TINY],
-                       env_extra={podstate.STATE_DIR_ENV: str(state), "DS_RUN_ID": "run-0001-test"})
+                       env_extra={protocol.STATE_DIR_ENV: str(state), "DS_RUN_ID": "run-0001-test"})
     assert result.returncode == 2, result.stdout[-4000:]
     # Every rank that hit it says so to the ledger: storage-error, not a configuration error.
     ends = [json.loads(p.read_text()) for p in state.glob("end-*.json")]
@@ -333,7 +334,7 @@ def test_a_non_finite_loss_ends_the_attempt_before_its_state_is_saved_and_says_s
     state, ckpt = tmp_path / "state", tmp_path / "ckpt"
     args = ["--ds-config", str(ds_config), "--steps", "12", "--checkpoint-every", "1", "--log-every", "1",
             "--checkpoint-dir", str(ckpt), "--checkpoint-background", "false", *TINY]
-    result = run_train(args, env_extra={podstate.STATE_DIR_ENV: str(state), "DS_RUN_ID": "run-0001-test"})
+    result = run_train(args, env_extra={protocol.STATE_DIR_ENV: str(state), "DS_RUN_ID": "run-0001-test"})
     assert result.returncode == 1, result.stdout[-4000:]
     found = re.search(r"ERROR loss is (nan|inf) at step (\d+) \(the mean over ranks\): stopped before saving this "
                       r"state", result.stdout)

@@ -171,23 +171,24 @@ def test_a_programs_uncaught_exception_is_its_end_record_and_python_still_prints
     import subprocess
     import sys
 
-    from train import podstate
+    from podruntime import protocol
     state = tmp_path / "ranks"
     result = subprocess.run([sys.executable, "-c", PROGRAM_THAT_RAISES.format(error=error)], capture_output=True,
                             text=True, cwd=Path(__file__).resolve().parents[1], timeout=60,
-                            env={**os.environ, podstate.STATE_DIR_ENV: str(state), "RANK": "3",
+                            env={**os.environ, protocol.STATE_DIR_ENV: str(state), "RANK": "3",
                                  "DS_RUN_ID": "run-0002-abc"})
     assert result.returncode == 1 and "Traceback" in result.stderr and line in result.stderr, result.stderr
-    record = json.loads((state / podstate.END_RECORD.format(rank=3)).read_text())
-    assert podstate.valid_end_record(record) == record
+    record = json.loads((state / protocol.END_RECORD.format(rank=3)).read_text())
+    assert protocol.valid_end_record(record) == record
     assert (record["run"], record["rank"], record["cause"], record["line"], record["step"]) == \
         ("run-0002-abc", 3, cause, line, 5), record
 
 
 def test_the_first_end_record_of_a_run_wins(tmp_path, monkeypatch):
     """A rank that said why it ends (a NaN loss) and then fails in its teardown keeps its first word."""
-    from train import podstate, rankstate
-    monkeypatch.setenv(podstate.STATE_DIR_ENV, str(tmp_path))
+    from podruntime import protocol
+    from train import rankstate
+    monkeypatch.setenv(protocol.STATE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("DS_RUN_ID", "run-0001-a")
     rankstate.fail("loss-nan", "loss is nan at step 3")
     rankstate.record_exception(RuntimeError("Connection closed by peer"))
@@ -223,15 +224,16 @@ def test_deepspeeds_own_groups_take_the_runs_collective_timeout_not_torchs_30_mi
 
 
 def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_path, monkeypatch):
-    from train import podstate, rankstate
+    from podruntime import protocol
+    from train import rankstate
     monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))
     monkeypatch.setenv("RANK", "1")
     for state in rankstate.STATES:
         rankstate.report(state)
-        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state} rank=1 v={podstate.VERSION}\n"
+        assert (tmp_path / "ranks" / str(os.getpid())).read_text() == f"{state} rank=1 v={protocol.VERSION}\n"
     state = tmp_path / "ranks" / str(os.getpid())
     rankstate.beat(7)  # the first beat after another state replaces the file
-    assert state.read_text() == f"training rank=1 step=7 v={podstate.VERSION}\n"
+    assert state.read_text() == f"training rank=1 step=7 v={protocol.VERSION}\n"
     rankstate.beat(9)  # then written in place: two steps later, the smoothed step time is measured
     words = state.read_text().split()
     assert words[:3] == ["training", "rank=1", "step=9"] and words[3].startswith("step_s=") and len(words) == 5
@@ -239,8 +241,9 @@ def test_rank_state_is_written_atomically_where_the_chart_says_and_cleared(tmp_p
     assert state.read_text().split()[0] == "saving"
     rankstate.beat(10)
     assert state.read_text().split()[:3] == ["training", "rank=1", "step=10"]
-    # No temporary file left; the stack dump's file is open for faulthandler; rank 0 alone publishes progress.
-    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [str(os.getpid()), f"{os.getpid()}.stacks"]
+    # No temporary file left; the stack dump's file is open, its diagnostics FIFO served; rank 0 alone publishes.
+    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [
+        str(os.getpid()), f"{os.getpid()}.diag", f"{os.getpid()}.stacks"]
     monkeypatch.setenv("RANK", "0")
     rankstate.beat(11)
     rankstate.publish(loss=float("nan"), steps=20)

@@ -1,6 +1,7 @@
-"""`make why` and `make logs` (scripts/deployctl/why.py) on what the API returns, and the rank-log wrapper
-(files/rank-log.py) that tags every rank's line, run as DeepSpeed's launcher runs it. The cluster tier reads a real
-drill's `make why` from a real API server (tests/cluster/test_cluster.py)."""
+"""`make why` and `make logs` (scripts/deployctl/why.py) on what the API returns, and the rank tagger
+(podruntime/ranklog.py) that tags every rank's line, run as DeepSpeed's launcher runs it (the chart's
+files/rank-log.py). The cluster tier reads a real drill's `make why` from a real API server
+(tests/cluster/test_cluster.py)."""
 
 import json
 import os
@@ -12,10 +13,11 @@ import time
 import psutil
 import pytest
 
+from podruntime import protocol, ranklog
 from scripts.deployctl import why
-from tests.support.chart import ROOT
+from tests.support.chart import ROOT, SCRIPTS
 
-RANK_LOG = ROOT / "charts" / "deepspeed-training" / "files" / "rank-log.py"
+RANK_LOG = SCRIPTS / "rank-log.py"  # DeepSpeed's launcher's script for every rank
 RELEASE = why.Release("demo", "ml", "demo-deepspeed-training-progress", "ssh", ["demo-deepspeed-training-launcher"],
                       2, "/checkpoints")
 T = 1_780_000_000.0
@@ -99,6 +101,19 @@ def test_rank_lines_picks_one_rank_and_attempt_from_a_merged_log():
     assert why.rank_lines(log, 1, 2) == ["w-1: [rank 1 attempt 2] resumed"]
 
 
+def test_a_ranks_own_text_never_makes_a_line_of_another_rank_in_make_logs(tmp_path):
+    """The tagger and make logs split lines alike (the newline alone): a rank that writes U+2028, a form feed or a
+    carriage return and then another rank's tag stays one line of its own rank's; the legitimate line beside it
+    is found."""
+    program = tmp_path / "program.py"
+    program.write_text("import sys\nsys.stdout.write('mine\\u2028[rank 1 attempt 1] forged\\x0c[rank 1 attempt 1] "
+                       "again\\n')\nprint('[rank 1 attempt 1] quoted mid-line? no: at the start, after the tag')\n")
+    result = subprocess.run([sys.executable, "-u", str(RANK_LOG), str(program)], capture_output=True, timeout=60,
+                            env={**os.environ, "RANK": "0", "DS_ATTEMPT": "1"})
+    text = result.stdout.decode()
+    assert why.rank_lines(text, 1, None) == [] and len(why.rank_lines(text, 0, 1)) == 2, text
+
+
 PROGRAM = """
 import os, sys, time
 print("from python", flush=True)
@@ -142,7 +157,7 @@ def test_rank_log_lines_outlive_the_ranks_process_tree(tmp_path):
     assert int(first.split(b"PID")[1]) == rank.pid  # exec: the rank is the process DeepSpeed started
     assert not psutil.Process(rank.pid).children(recursive=True)  # the prefixer is outside its tree
     prefixers = [p for p in psutil.process_iter(["cmdline"]) if "[rank 77] " in (p.info["cmdline"] or [])]
-    assert [p.info["cmdline"][-4:] for p in prefixers] == [[str(RANK_LOG), "--prefix", "[rank 77] ", str(rank.pid)]]
+    assert [p.info["cmdline"][-4:] for p in prefixers] == [[str(SCRIPTS), "rank-prefix", "[rank 77] ", str(rank.pid)]]
     os.kill(rank.pid, signal.SIGKILL)
     assert rank.wait(timeout=30) == -signal.SIGKILL
     assert rank.stdout.read() == b""  # every writer closed: the prefixer ended
@@ -151,7 +166,7 @@ def test_rank_log_lines_outlive_the_ranks_process_tree(tmp_path):
 @pytest.mark.parametrize("argv", [[], ["-m"], ["--local_rank=0"]])
 def test_rank_log_refuses_a_command_without_a_program(argv):
     result = subprocess.run([sys.executable, str(RANK_LOG), *argv], capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2 and "Usage" in result.stderr
+    assert result.returncode == 2 and "usage" in result.stderr
 
 
 RAISES_LATE = """
@@ -163,7 +178,7 @@ if os.environ.get("OWN_RECORD"):
     rankstate.beat(12)
 else:  # a program that never reports: its rank's state line is the watchdog's only news of it
     with open(os.path.join(state, str(os.getpid())), "w") as f:
-        f.write("training rank=4 step=12 v=1\\n")
+        f.write("training rank=4 step=12 v=2\\n")
 print("some output", flush=True)
 def load(path):
     raise ValueError(f"Some specified arguments are not used by the HfArgumentParser: {path}")
@@ -176,7 +191,6 @@ def test_a_rank_that_dies_of_an_exception_leaves_its_last_line_for_the_ledger(tm
     """The prefixer is the ledger's witness of a program that never reported (its traceback's last line becomes
     the rank's end record); a rank that wrote its own keeps it."""
     from tests.support.harness import wait_for
-    from train import podstate
 
     program, state = tmp_path / "program.py", tmp_path / "state"
     program.write_text(RAISES_LATE)
@@ -188,33 +202,24 @@ def test_a_rank_that_dies_of_an_exception_leaves_its_last_line_for_the_ledger(tm
     assert result.returncode == 1 and "[rank 4] Traceback (most recent call last):" in result.stdout, result
     wait_for(lambda: (state / "end-4.json").exists(), 30, "the end record")  # the prefixer writes it at the end
     found = json.loads((state / "end-4.json").read_text())
-    assert podstate.valid_end_record(found) == found
+    assert protocol.valid_end_record(found) == found
     assert (found["run"], found["rank"], found["cause"], found["step"]) == ("run-0003-abcd", 4, "program-error", 12)
     assert found["line"] == "ValueError: Some specified arguments are not used by the HfArgumentParser: " \
                             "['--no_such_option=1']", found
 
 
 def test_output_that_only_printed_a_traceback_earlier_names_no_error():
-    assert why_rank_log().exception_line([b"Traceback (most recent call last):", b'  File "x.py", line 1',
+    assert ranklog.exception_line([b"Traceback (most recent call last):", b'  File "x.py", line 1',
                                           b"KeyError: 'a'", b"handled; training on", *[b"step"] * 39]) is None
-    assert why_rank_log().exception_line([b"Traceback (most recent call last):", b"  File ...",
+    assert ranklog.exception_line([b"Traceback (most recent call last):", b"  File ...",
                                           b"RuntimeError: first", b"", b"During handling of the above exception, "
                                           b"another exception occurred:", b"", b"Traceback (most recent call last):",
                                           b"  File ...", b"OSError: [Errno 28] No space left on device"]) == \
         "OSError: [Errno 28] No space left on device"
     # torch.distributed's excepthook (once the process group exists) puts `[rankN]: ` before every line.
-    assert why_rank_log().exception_line([b"[rank0]: Traceback (most recent call last):", b"[rank0]:   File ...",
+    assert ranklog.exception_line([b"[rank0]: Traceback (most recent call last):", b"[rank0]:   File ...",
                                           b"[rank0]: ValueError: Some specified arguments are not used"]) == \
         "ValueError: Some specified arguments are not used"
-
-
-def why_rank_log():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rank_log", RANK_LOG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("command", ["why", "status", "logs"])

@@ -39,8 +39,10 @@ from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
 
+from podruntime import checkpoints as tags
+from podruntime.checkpoints import COMMIT_FILE, TAG_PATTERN
+from podruntime.tenantfiles import Tree
 from train import rankstate
-from train.tags import COMMIT_FILE, TAG_PATTERN, files_of, is_complete, tags_newest_first  # noqa: F401
 
 UNIVERSAL_DIR = "universal"  # <ckpt>/universal/<tag>: a tag converted for another layout, committed like a tag
 # What DeepSpeed's converter (ds_to_universal) needs in the client state of a plain data-parallel model.
@@ -49,6 +51,26 @@ UNIVERSAL_INFO = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: 
 
 STORAGE_ENV = "DS_CHECKPOINT_STORAGE"
 SHARED, PER_WORKER = "shared", "per-worker"
+
+
+def _tree(directory: Path) -> Tree:
+    """This program's own checkpoint directory (its path may run through links; nothing beneath it is followed)."""
+    return Tree(directory, trusted_root=True)
+
+
+def files_of(tag_dir: Path) -> dict[str, int]:
+    """Every regular file of a tag with its size (podruntime.checkpoints owns the rule)."""
+    return tags.files_of(_tree(tag_dir.parent), tag_dir.name)
+
+
+def is_complete(tag_dir: Path) -> bool:
+    """A train package tag whose commit.json lists files that are all there with their sizes."""
+    return tags.is_complete(_tree(tag_dir.parent), tag_dir.name)
+
+
+def tags_newest_first(ckpt_dir: Path) -> list[Path]:
+    """The train package's tag directories, complete or not, newest first."""
+    return [ckpt_dir / tag for tag in tags.tags_newest_first(_tree(ckpt_dir))]
 
 
 class CheckpointError(RuntimeError):

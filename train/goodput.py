@@ -23,11 +23,13 @@ import os
 import time
 from pathlib import Path
 
-from train import podstate
+from podruntime import protocol
+from podruntime.ledger import job_tree
+from podruntime.tenantfiles import Tree
 
 FLUSH_S = 2.0
 KEEP_SAVES = 50  # the productive time at the last saves: a retry resumes from one of them
-BUCKETS = podstate.GOODPUT_BUCKETS  # published under these names (the sidecar's metrics take no others)
+BUCKETS = protocol.GOODPUT_BUCKETS  # published under these names (the sidecar's metrics take no others)
 TAIL_BYTES = 64
 
 
@@ -47,12 +49,13 @@ class Goodput:
 
     def __init__(self, ckpt_dir: Path | None, resumed_from: int, restore_s: float):
         run = os.environ.get("DS_RUN_ID", "")
-        parsed = podstate.parse_run_id(run)
-        self.directory = podstate.job_path(ckpt_dir, podstate.GOODPUT) / (parsed[1] if parsed else "local") \
-            if ckpt_dir else None
-        if self.directory:
-            podstate.prune(self.directory.parent, podstate.KEEP_JOBS, spare=self.directory.name)
-        self.diagnostics = podstate.job_path(ckpt_dir, podstate.DIAGNOSTICS) if ckpt_dir else None  # the watchdogs'
+        parsed = protocol.parse_run_id(run)
+        self.directory = self.diagnostics = None
+        if ckpt_dir:
+            records = job_tree(Tree(ckpt_dir, trusted_root=True), protocol.GOODPUT)
+            self.directory = records.root / (parsed[1] if parsed else "local")
+            records.prune("", protocol.KEEP_JOBS, spare=self.directory.name)
+            self.diagnostics = job_tree(Tree(ckpt_dir, trusted_root=True), protocol.DIAGNOSTICS).root  # the watchdogs'
         attempt = os.environ.get("DS_ATTEMPT", "")
         try:
             begun = float(os.environ.get("DS_ATTEMPT_BEGUN", ""))

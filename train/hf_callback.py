@@ -1,11 +1,12 @@
 """Hang detection, progress and goodput for Hugging Face Trainer programs, at the cost of one line:
-`Trainer(..., callbacks=[RankHeartbeat()])`. The rank beats after every optimizer step (train/rankstate.py, which
-the chart's watchdog reads), reports `saving` while the Trainer writes a checkpoint and stays alive through
-evaluation, so that neither is taken for a hang; the watchdog's stack dump works from the first report. On
-per-worker checkpoint volumes it completes each worker's copy of a checkpoint (mark_latest). Rank 0
-also publishes what the Trainer logs (loss, learning rate, total steps, the last checkpoint), which the chart's
-progress ConfigMap and metrics show, and keeps the job's goodput records (train/goodput.py) in DS_CHECKPOINT_DIR
-(else the output dir), printing the split at the end.
+`Trainer(..., callbacks=[RankHeartbeat()])`. It reports through the train package's own reporter
+(train/report.py Reporter): the rank beats after every optimizer step (train/rankstate.py, which the chart's
+watchdog reads), reports `saving` while the Trainer writes a checkpoint and stays alive through evaluation, so that
+neither is taken for a hang; the watchdog's stack dump works from the first report. On per-worker checkpoint volumes
+it completes each worker's copy of a checkpoint (mark_latest). Rank 0 also publishes what the Trainer logs (loss,
+learning rate, total steps, the last checkpoint, the ETA), which the chart's progress ConfigMap and metrics show,
+and keeps the job's goodput records (train/goodput.py) in DS_CHECKPOINT_DIR (else the output dir), printing the
+split at the end.
 
 What the Trainer's hooks can measure differs from the train package in two places: a checkpoint restore runs before
 any callback (`on_train_begin`), so it counts as start-up here; and an evaluation's time, which is none of the
@@ -19,9 +20,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from train import checkpoint, rankstate
-from train.goodput import Goodput
 from train.goodput import describe as goodput_line
-from train.goodput import published as goodput_fields
+from train.report import Reporter
 
 
 def mark_latest(directory: Path, step: int) -> None:
@@ -35,63 +35,46 @@ def mark_latest(directory: Path, step: int) -> None:
 
 class RankHeartbeat(TrainerCallback):
     def __init__(self):
-        self._logged: tuple[int, float] | None = None  # (step, time) of the previous log, for tokens/s and ETA
-        self._goodput: Goodput | None = None  # rank 0's record of this attempt
+        self._reporter: Reporter | None = None
         # Wall time a step's time counts from: the end of the step before it, or of the save or evaluation after
         # that step (the Trainer fetches a step's batches before on_step_begin, so that hook would leave them out).
         self._mark = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        rankstate.publish(steps=state.max_steps or None)
-        rankstate.report("starting")  # the start-up budget, until the first step
-        if state.is_world_process_zero:  # the Trainer has loaded its checkpoint by now: global_step is where it resumed
-            try:
-                self._goodput = Goodput(Path(os.environ.get("DS_CHECKPOINT_DIR") or args.output_dir),
-                                        state.global_step, restore_s=0.0)
-            except OSError:
-                self._goodput = None  # accounting never stops training
+        # The Trainer has loaded its checkpoint by now: global_step is where it resumed.
+        self._reporter = Reporter(Path(os.environ.get("DS_CHECKPOINT_DIR") or args.output_dir),
+                                  0 if state.is_world_process_zero else 1)
+        self._reporter.resumed(state.global_step, state.max_steps or None, restore_s=0.0)
         self._mark = time.time()
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.time()
-        if self._goodput:
-            self._goodput.step(state.global_step, self._mark, now - self._mark)
+        self._reporter.step(state.global_step, self._mark, now - self._mark)
         self._mark = now
-        rankstate.beat(state.global_step)
         if control.should_save:  # the Trainer's own flow callback, which runs first, asked for a save next
-            rankstate.report("saving", state.global_step)
+            self._reporter.saving(state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_local_process_zero and os.environ.get(checkpoint.STORAGE_ENV) == checkpoint.PER_WORKER:
             mark_latest(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", state.global_step)
         now = time.time()
-        if self._goodput:
-            self._goodput.saved(state.global_step, now - self._mark)
+        self._reporter.saved(state.global_step, now - self._mark)
         self._mark = now
         rankstate.publish(checkpoint_step=state.global_step)
-        rankstate.beat(state.global_step)
 
     def on_evaluate(self, args, state, control, **kwargs):
         self._mark = time.time()  # evaluation is not a step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        logs, now, eta_s = logs or {}, time.monotonic(), None
-        if self._logged and state.global_step > self._logged[0] and state.max_steps:
-            per_step = (now - self._logged[1]) / (state.global_step - self._logged[0])
-            eta_s = round(per_step * (state.max_steps - state.global_step), 1)
-        self._logged = (state.global_step, now)
-        split = self._goodput.job() if self._goodput else None
-        rankstate.publish(step=state.global_step, steps=state.max_steps or None, loss=logs.get("loss"),
-                          lr=logs.get("learning_rate"), eta_s=eta_s, **goodput_fields(split))
+        logs = logs or {}
+        self._reporter.progress(state.global_step, loss=logs.get("loss"), lr=logs.get("learning_rate"))
 
     def on_prediction_step(self, args, state, control, **kwargs):
-        rankstate.report("training", state.global_step)  # evaluating: alive, though no step ends
+        self._reporter.alive(state.global_step)  # evaluating: alive, though no step ends
 
     def on_train_end(self, args, state, control, **kwargs):
-        split = None
-        if self._goodput:
-            self._goodput.flush()
-            split = self._goodput.job()
+        split = self._reporter.end(done=True)
+        if split:
             print(goodput_line(split), flush=True)  # the job's split, every attempt, as the train package's last line
-        rankstate.publish(state="done", step=state.global_step, eta_s=0, **goodput_fields(split))
+        rankstate.publish(step=state.global_step)
         rankstate.clear()

@@ -15,7 +15,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import default_pg_timeout
 
-from train import checkpoint, dsconfig, mfu, podstate, rankstate
+from podruntime import protocol
+from train import checkpoint, dsconfig, mfu, rankstate
 from train.checks import Inputs, check_devices, check_inputs, check_world_size
 from train.config import ConfigError, TrainConfig, parse_args
 from train.data import DataError, samples
@@ -25,7 +26,7 @@ from train.pipeline import PipelineGPT, stage_plan
 from train.report import Run, RunReport, Utilisation
 
 logger = logging.getLogger("train")
-EXIT_SIGTERM = podstate.EXIT_STOPPED  # non-zero: the Job retries, the next attempt resumes from the saved step
+EXIT_SIGTERM = protocol.EXIT_STOPPED  # non-zero: the Job retries, the next attempt resumes from the saved step
 
 
 def init_logger(rank: int) -> None:
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, dsconfig.DsConfigError, DataError, checkpoint.CheckpointError) as err:
         logger.error(str(err))
         rankstate.fail("config-error", str(err))
-        return podstate.EXIT_CONFIG_ERROR
+        return protocol.EXIT_CONFIG_ERROR
     # DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes, the chart's deepspeed.collectiveTimeoutMinutes.
     deepspeed.init_distributed(timeout=default_pg_timeout)
     groups_take_the_timeout(default_pg_timeout)  # ZeRO's own groups too: torch would give them 30 min on gloo
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error(str(err))  # on every rank that hit it: a data or disk problem may be one rank's
         rankstate.fail("storage-error" if isinstance(err, checkpoint.StorageError) else "config-error", str(err),
                        echo=getattr(err, "echo", False))
-        status = podstate.EXIT_CONFIG_ERROR
+        status = protocol.EXIT_CONFIG_ERROR
     finally:
         # Leaving without tearing the process group down can abort the process after training.
         if torch.distributed.is_initialized():

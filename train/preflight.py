@@ -75,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs="*", help="the train package's arguments, after --")
     opts = parser.parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its import-time notes are not this check's output
-    from train import podstate
+    from podruntime import protocol
     from train.config import ConfigError
     from train.dsconfig import DsConfigError
     from train.layout import LayoutError
     try:
-        podstate.check_version(os.environ.get(podstate.PROTOCOL_ENV), "config check")
+        protocol.check_version(os.environ.get(protocol.PROTOCOL_ENV), "config check")
         print(check(opts.train_package, opts.fills_auto, opts.cpu_ranks, opts.args), flush=True)
-    except (ConfigError, DsConfigError, LayoutError, podstate.VersionSkew) as err:
+    except (ConfigError, DsConfigError, LayoutError, protocol.VersionSkew) as err:
         print(f"config check failed: {by_value(str(err))}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -1,12 +1,13 @@
-"""What a run tells people and the chart's pods, in one object the training loop calls at a step, a save and the end
-(torchtitan's metrics processor is the model): RunReport owns the heartbeat (train/rankstate.py), the job's goodput
-(train/goodput.py), the rank-0 progress line and what it publishes, the straggler check, the ds_config's monitors
-and metrics.json.
+"""What a run tells people and the chart's pods (torchtitan's metrics processor is the model). Reporter is the one
+reporter every program reports through, the train package and the Hugging Face callback (train/hf_callback.py)
+alike: the heartbeat and state (train/rankstate.py), the job's goodput (train/goodput.py, rank 0) and the progress
+rank 0 publishes (step, loss, pace, ETA, the last checkpoint). RunReport, the train package's, adds the rank-0
+progress line, the straggler check, the ds_config's monitors and metrics.json.
 
 The progress line, every log_every steps on rank 0:
 `step 40/1000 | loss 3.2101 | lr 3.000e-04 | 51,234 tokens/s | 400.3 samples/s | mfu 41.0% | eta 1:02:03`.
 Time the loop spends saving is kept out of the throughput figures. Stragglers names a rank that every step waits
-for. The logged figures also go to rank 0's progress file (podstate.PROGRESS), for the chart's progress ConfigMap
+for. The logged figures also go to rank 0's progress file (protocol.PROGRESS), for the chart's progress ConfigMap
 and metrics."""
 
 import json
@@ -17,27 +18,100 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from podruntime.text import duration
 from train import checkpoint, mfu, rankstate
 from train.goodput import Goodput
 from train.goodput import describe as goodput_line
 from train.goodput import published as goodput_fields
 
 
-def format_eta(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
+class Reporter:
+    """One rank's reports, for any program: call resumed() once its checkpoint is loaded, step() after every step,
+    saving() and saved() around a checkpoint save, progress() whenever it logs figures, end() at its end. Rank 0
+    keeps the job's goodput records in `checkpoint_dir` (none without one) and publishes its progress."""
+
+    def __init__(self, checkpoint_dir: Path | None, rank: int):
+        self.checkpoint_dir, self.rank = checkpoint_dir, rank
+        self.goodput: Goodput | None = None
+        self.restore_started = time.perf_counter()
+        self.steps: int | None = None
+        self.start = (0, time.perf_counter())  # (the step it resumed at, when)
+
+    def restoring(self) -> None:
+        rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
+        self.restore_started = time.perf_counter()
+
+    def resumed(self, start_step: int, steps: int | None, restore_s: float | None = None) -> None:
+        """The checkpoint is loaded (at `start_step`; restore_s None: since restoring()); the start-up budget runs
+        until the first step."""
+        restore = time.perf_counter() - self.restore_started if restore_s is None else restore_s
+        try:
+            self.goodput = Goodput(self.checkpoint_dir if self.rank == 0 else None, start_step, restore)
+        except OSError:
+            self.goodput = None  # accounting never stops training
+        self.steps, self.start = steps, (start_step, time.perf_counter())
+        rankstate.publish(steps=steps or None, checkpoint_step=start_step or None)
+        rankstate.report("starting")
+
+    def step(self, step: int, started: float, seconds: float, beat: bool = True) -> None:
+        """A step that started at wall time `started` took `seconds`; `beat`: the heartbeat too (not while
+        stopping)."""
+        if self.goodput:
+            self.goodput.step(step, started, seconds)
+        if beat:
+            rankstate.beat(step)  # from here a SIGTERM also has something to save
+        else:
+            rankstate.reached(step)
+
+    def saving(self, step: int) -> None:
+        rankstate.report("saving", step)  # judged by the checkpoint budget, not the step budget
+
+    def saved(self, step: int, stall: float, beat: bool = True) -> None:
+        """A save at `step` that held the steps `stall` seconds; the next step's budget starts now."""
+        if self.goodput:
+            self.goodput.saved(step, stall)
+        if beat:
+            rankstate.beat(step)
+
+    def alive(self, step: int) -> None:
+        """Busy with no step ending (an evaluation): not a hang."""
+        rankstate.report("training", step)
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left at the pace since the resume."""
+        done = step - self.start[0]
+        if not self.steps or done <= 0:
+            return None
+        return round((time.perf_counter() - self.start[1]) / done * (self.steps - step), 1)
+
+    def progress(self, step: int, **figures) -> float | None:
+        """Rank 0's figures of `step` (loss, lr, tokens_per_s, ...), published with the ETA and the job's goodput;
+        the ETA."""
+        eta_s = self.eta(step)
+        split = self.goodput.job() if self.goodput and self.rank == 0 else None
+        rankstate.publish(step=step, steps=self.steps, eta_s=eta_s, **figures, **goodput_fields(split))
+        return eta_s
+
+    def end(self, done: bool) -> dict | None:
+        """The job's goodput split (rank 0; None elsewhere), published with the end."""
+        split = None
+        if self.goodput:
+            self.goodput.flush()
+            split = self.goodput.job() if self.rank == 0 else None
+        rankstate.publish(**goodput_fields(split), **({"state": "done", "eta_s": 0} if done else {}))
+        return split
 
 
 class Progress:
     """The rank-0 progress line and the interval timing behind it."""
 
-    def __init__(self, logger, steps: int, start_step: int, log_every: int, tokens_per_step: int, global_batch: int,
+    def __init__(self, logger, reporter: Reporter, log_every: int, tokens_per_step: int, global_batch: int,
                  mfu_of: Callable[[float], float | None]):
-        self.logger, self.steps, self.start_step, self.log_every = logger, steps, start_step, log_every
+        self.logger, self.reporter, self.log_every = logger, reporter, log_every
+        self.steps, self.start_step = reporter.steps, reporter.start[0]
         self.tokens_per_step, self.global_batch, self.mfu_of = tokens_per_step, global_batch, mfu_of
         self.started = self.interval_start = time.perf_counter()
-        self.last_logged = start_step
+        self.last_logged = self.start_step
         self.paused_s = 0.0
 
     def step(self, step: int, loss: float, lr: float, force: bool = False) -> bool:
@@ -47,16 +121,13 @@ class Progress:
         now = time.perf_counter()
         interval_steps, self.last_logged = step - self.last_logged, step
         interval = now - self.interval_start
-        per_step = (now - self.started) / (step - self.start_step)
         tokens_per_s = self.tokens_per_step * interval_steps / interval
         utilised = self.mfu_of(tokens_per_s)
-        eta_s = per_step * (self.steps - step)
-        rankstate.publish(step=step, steps=self.steps, loss=loss, lr=lr, tokens_per_s=round(tokens_per_s, 1),
-                          mfu=utilised, eta_s=round(eta_s, 1))
+        eta_s = self.reporter.progress(step, loss=loss, lr=lr, tokens_per_s=round(tokens_per_s, 1), mfu=utilised)
         self.logger.info(
             f"step {step}/{self.steps} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s | "
             f"{self.global_batch * interval_steps / interval:.1f} samples/s | "
-            f"{'' if utilised is None else f'mfu {utilised:.1%} | '}eta {format_eta(eta_s)}")
+            f"{'' if utilised is None else f'mfu {utilised:.1%} | '}eta {duration(eta_s or 0, 'clock')}")
         self.interval_start = now
         return True
 
@@ -133,51 +204,41 @@ class RunReport:
     def __init__(self, logger, run: Run):
         self.logger, self.run = logger, run
         self.losses: list[tuple[int, float]] = []
-        self.goodput: Goodput | None = None
+        self.reporter = Reporter(run.checkpoint_dir, run.rank)
         self.progress: Progress | None = None
         self.stragglers = Stragglers(logger, run.hosts)
-        self.restore_started = 0.0
         self.step_started = (0.0, 0.0)
 
     def restoring(self) -> None:
-        rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
-        self.restore_started = time.perf_counter()
+        self.reporter.restoring()
 
     def resumed(self, start_step: int) -> None:
         run = self.run
-        self.goodput = Goodput(run.checkpoint_dir if run.rank == 0 else None, start_step,
-                               time.perf_counter() - self.restore_started)
-        rankstate.publish(steps=run.steps, checkpoint_step=start_step or None)
-        rankstate.report("starting")  # the start-up budget again, until the first step
+        self.reporter.resumed(start_step, run.steps)
         if start_step >= run.steps:
             self.logger.info(f"nothing to do: already at step {start_step} of {run.steps}")
-        self.progress = Progress(self.logger, run.steps, start_step, run.log_every, run.tokens_per_step,
-                                 run.global_batch, lambda tokens_per_s: run.use.of(tokens_per_s, run.world_size))
+        self.progress = Progress(self.logger, self.reporter, run.log_every, run.tokens_per_step, run.global_batch,
+                                 lambda tokens_per_s: run.use.of(tokens_per_s, run.world_size))
 
     def step_begins(self) -> None:
         self.step_started = (time.time(), time.perf_counter())
 
     def step(self, step: int, loss: float, lr: float, compute: list[float], stopping: bool, engine) -> None:
         """A finished step: its loss (the mean over ranks), every rank's own compute time, whether the ranks stop."""
-        self.goodput.step(step, self.step_started[0], time.perf_counter() - self.step_started[1])
+        self.reporter.step(step, self.step_started[0], time.perf_counter() - self.step_started[1], beat=not stopping)
         self.losses.append((step, loss))
-        if not stopping:
-            rankstate.beat(step)  # the heartbeat; from here a SIGTERM also has something to save
         if self.run.rank == 0:
             self.stragglers.step(compute)
             if engine.monitor.enabled:  # ds_config's tensorboard / csv_monitor / wandb sections
                 engine.monitor.write_events([("Train/Samples/train_loss", loss, engine.global_samples)])
-        if self.progress.step(step, loss, lr, force=stopping) and self.run.rank == 0:
-            rankstate.publish(**goodput_fields(self.goodput.job()))
+        self.progress.step(step, loss, lr, force=stopping)
 
     def saved(self, step: int, tag_dir, stall: float, stopping: bool) -> None:
         """A save at `step`: the step loop waited `stall` seconds (all of it, unless it is written in the
         background, which committed() reports)."""
         self.progress.pause(stall)
         rankstate.publish(checkpoint_save_s=round(stall, 3))
-        self.goodput.saved(step, stall)
-        if not stopping:
-            rankstate.beat(step)  # back from `saving`: the next step's budget starts now
+        self.reporter.saved(step, stall, beat=not stopping)
 
     def committed(self, committed: dict) -> None:
         """A checkpoint every rank can resume from: its commit record is written."""
@@ -194,18 +255,16 @@ class RunReport:
         """After the last step (or the stop): metrics.json, the done line and the job's goodput; on every rank."""
         import deepspeed.comm as dist  # noqa: PLC0415 - a collective: every rank's peak memory
 
-        self.goodput.flush()
         elapsed = self.progress.elapsed()
         peak_rss = [0.0] * self.run.world_size  # MiB per rank
         dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        split = self.goodput.job() if self.run.rank == 0 else {}
+        split = self.reporter.end(status == 0) or {}
         if self.losses:  # a run with nothing left to do keeps the last metrics
             if self.run.rank == 0 and self.run.checkpoint_dir:
                 self.write_metrics(elapsed, peak_rss, split)
             self.logger.info(f"done: {len(self.losses)} steps in {elapsed:.1f}s, final loss {self.losses[-1][1]:.4f}")
             if split:  # rank 0
                 self.logger.info(goodput_line(split) if status == 0 else f"so far: {goodput_line(split)}")
-        rankstate.publish(**goodput_fields(split), **({"state": "done", "eta_s": 0} if status == 0 else {}))
 
     def write_metrics(self, elapsed: float, peak_rss: list[float], goodput: dict) -> None:
         run, checkpoint_s = self.run, self.progress.paused_s

@@ -3,9 +3,10 @@ person's own access (the pods' tokens stay narrow): the progress ConfigMap the s
 and attempts, rank 0's progress), the release's pods and Jobs, and their events. Nothing raw from the cluster is
 printed: every value goes through cluster.printable().
 
-Who decides which cause (train/podstate.py's CAUSES): the pods decide from in-pod evidence; what only the API server
-knows refines an attempt's cause here: a container OOMKilled, a pod's DisruptionTarget condition (eviction,
-preemption, a lost node), a pod deleted, a node not ready, each matched to the attempt that ended near it in time.
+Who decides which cause (podruntime/causes.py): the pods decide from in-pod evidence (its ATTEMPT_RULES); what only
+the API server knows refines an attempt's cause here (its CLUSTER_RULES): a container OOMKilled, a pod's
+DisruptionTarget condition (eviction, preemption, a lost node), a pod deleted, a node not ready, each matched to the
+attempt that ended near it in time.
 """
 
 import json
@@ -15,21 +16,13 @@ from datetime import UTC, datetime
 
 import yaml
 
+from podruntime import causes, protocol
+from podruntime.text import duration, lines
 from scripts.deployctl.cluster import printable
 from scripts.deployctl.common import DeployError
 from scripts.deployctl.helm import release_name
 from scripts.deployctl.render import Rendered
-from train import podstate
 
-# The cluster's evidence -> the cause it shows, strongest first: one attempt's end may leave several.
-DISRUPTION = {"EvictionByEvictionAPI": "evicted", "TerminationByKubelet": "evicted", "PreemptionByScheduler":
-              "preempted", "DeletionByTaintManager": "node-lost", "DeletionByPodGC": "node-lost"}
-EVENT_CAUSES = {"OOMKilling": "oom-killed", "Evicted": "evicted", "TaintManagerEviction": "node-lost",
-                "NodeNotReady": "node-lost", "Preempted": "preempted"}
-STRENGTH = ("oom-killed", "node-lost", "evicted", "preempted", "pod-deleted")
-# The pods' causes that cluster evidence may explain better (a SIGKILL the pods saw, an owner that vanished, a stop).
-REFINABLE = ("program-error", "node-lost", "preempted", "collective-timeout")
-BEFORE_S, AFTER_S = 900, 120  # evidence this long before an attempt's recorded end, or after it, belongs to it
 EVENTS_SHOWN = 5
 
 
@@ -104,35 +97,42 @@ def read(core, batch, release: Release) -> dict:
     return {"progress": progress, "pods": pods, "events": events, "jobs": jobs}
 
 
-def cluster_evidence(pods: list[dict], events: list[dict], mains: tuple[str, ...] = ("launcher", "worker")
-                     ) -> list[dict]:
-    """What the API server saw that the pods could not: {time, cause, text}, each one line. A `Killing` of a pod's
-    main container (`mains`) is a deletion; of its sidecar alone, the pod's normal end."""
+def observations(pods: list[dict], events: list[dict], mains: tuple[str, ...]) -> list[dict]:
+    """What the API server saw of the release's pods, as causes.CLUSTER_RULES read it: {kind, reason, message,
+    main, time, text}, kind one of container (a terminated container), disruption (a DisruptionTarget condition),
+    evicted (an Evicted pod), deletion (a pod being deleted), event. A `Killing` of a pod's main container (`mains`)
+    is a deletion; of its sidecar alone, the pod's normal end."""
     found = []
     for pod in pods:
         for container, reason, code, finished, _ in pod["terminated"]:
-            if reason == "OOMKilled":
-                found.append({"time": finished, "cause": "oom-killed", "text": f"pod {pod['name']}, container "
-                              f"{container}: OOMKilled (exit {code}) at {clock(finished)}"})
+            found.append({"kind": "container", "reason": reason, "message": "", "time": finished,
+                          "text": f"pod {pod['name']}, container {container}: {reason} (exit {code}) at "
+                                  f"{clock(finished)}"})
         for reason, message, when in pod["disruption"]:
-            found.append({"time": when, "cause": DISRUPTION.get(reason, "pod-deleted"),
+            found.append({"kind": "disruption", "reason": reason, "message": message, "time": when,
                           "text": f"pod {pod['name']}: DisruptionTarget {reason} at {clock(when)}"
                                   + (f" ({message})" if message else "")})
         if pod["reason"] == "Evicted":
-            found.append({"time": pod["deleted"] or pod["created"], "cause": "evicted",
-                          "text": f"pod {pod['name']}: evicted ({pod['message']})"})
+            found.append({"kind": "evicted", "reason": "Evicted", "message": pod["message"], "time": pod["deleted"]
+                          or pod["created"], "text": f"pod {pod['name']}: evicted ({pod['message']})"})
         elif pod["deleted"] and not pod["disruption"]:
-            found.append({"time": pod["deleted"], "cause": "pod-deleted",
+            found.append({"kind": "deletion", "reason": "", "message": "", "time": pod["deleted"],
                           "text": f"pod {pod['name']}: being deleted since {clock(pod['deleted'])}"})
     for event in events:
-        cause = EVENT_CAUSES.get(event["reason"] or "")
         stopped = re.fullmatch(r"Stopping container (\S+)", event["message"] or "")
-        if event["reason"] == "Killing" and event["kind"] == "Pod" and stopped and stopped[1] in mains:
-            cause = "pod-deleted"
-        if cause:
-            found.append({"time": event["time"], "cause": cause, "text": f"{event['kind'].lower()} {event['object']}: "
-                          f"{event['reason']} at {clock(event['time'])} ({event['message']})"})
+        found.append({"kind": "event", "reason": event["reason"] or "", "message": event["message"] or "",
+                      "main": bool(event["kind"] == "Pod" and stopped and stopped[1] in mains), "time": event["time"],
+                      "text": f"{(event['kind'] or '').lower()} {event['object']}: {event['reason']} at "
+                              f"{clock(event['time'])} ({event['message']})"})
     return found
+
+
+def cluster_evidence(pods: list[dict], events: list[dict], mains: tuple[str, ...] = ("launcher", "worker")
+                     ) -> list[dict]:
+    """What the API server saw that the pods could not: {time, cause, text}, each one line, the cause the first
+    causes.CLUSTER_RULES row gives (observations no rule names are left out)."""
+    return [{"time": o["time"], "cause": cause, "text": o["text"]}
+            for o in observations(pods, events, mains) if (cause := causes.cluster_cause(o))]
 
 
 def attempts_of(progress: dict) -> list[dict]:
@@ -141,41 +141,35 @@ def attempts_of(progress: dict) -> list[dict]:
         entries = json.loads(progress.get("attempts", "[]"))
     except ValueError:
         return []
-    return [e for e in entries if isinstance(e, dict) and e.get("cause") in podstate.CAUSES
+    return [e for e in entries if isinstance(e, dict) and e.get("cause") in causes.CAUSES
             and isinstance(e.get("attempt"), int)] if isinstance(entries, list) else []
 
 
 def refine(entries: list[dict], evidence: list[dict]) -> list[dict]:
-    """Each attempt with the cluster's cause where the pods' is one the cluster may explain better (REFINABLE) and
-    some evidence lies near its end: {**entry, seen: cause the pods gave, by: the evidence's line}."""
+    """Each attempt with the cluster's cause where the pods' is one the cluster may explain better
+    (causes.REFINABLE) and some evidence lies near its end: {**entry, seen: cause the pods gave, by: the evidence's
+    line}."""
     out = []
     for entry in entries:
         ended = entry.get("ended")
-        near = [e for e in evidence if ended and e["time"] and ended - BEFORE_S <= e["time"] <= ended + AFTER_S]
-        if entry["cause"] in REFINABLE and near:
-            best = min(near, key=lambda e: (STRENGTH.index(e["cause"]), abs(ended - e["time"])))
+        near = [e for e in evidence if ended and e["time"]
+                and ended - causes.BEFORE_S <= e["time"] <= ended + causes.AFTER_S]
+        if entry["cause"] in causes.REFINABLE and near:
+            best = min(near, key=lambda e: (causes.strength(e["cause"]), abs(ended - e["time"])))
             if best["cause"] != entry["cause"]:
                 entry = {**entry, "seen": entry["cause"], "cause": best["cause"], "by": best["text"]}
         out.append(entry)
     return out
 
 
-def duration(seconds) -> str:
-    if not isinstance(seconds, int | float):
-        return ""
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
 def stacks_path(release: Release, progress: dict, attempt: int, culprit: str) -> str:
     """Where the watchdog of the culprit's host wrote its ranks' stacks of that attempt (on that host's volume)."""
-    job = podstate.parse_run_id(progress.get("run", ""))
+    job = protocol.parse_run_id(progress.get("run", ""))
     host = culprit.rsplit(" on ", 1)[-1] if " on " in culprit else ""
     if not job or not host:
         return ""
-    return (f"{release.checkpoint_mount}/{podstate.JOB_DIR}/{podstate.DIAGNOSTICS}/"
-            f"{podstate.run_id(attempt, job[1])}/{host}.txt")
+    return (f"{release.checkpoint_mount}/{protocol.JOB_DIR}/{protocol.DIAGNOSTICS}/"
+            f"{protocol.run_id(attempt, job[1])}/{host}.txt")
 
 
 def why_text(release: Release, observed: dict) -> str:
@@ -263,13 +257,10 @@ def why(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> int:
 
 
 def rank_lines(text: str, rank: int, attempt: int | None) -> list[str]:
-    """The lines of one log that files/rank-log.py tagged with `rank` (and `attempt`)."""
-    out = []
-    for line in text.splitlines():
-        found = podstate.RANK_TAG.search(line)
-        if found and int(found[1]) == rank and (attempt is None or found[2] and int(found[2]) == attempt):
-            out.append(line)
-    return out
+    """The lines of one log that the rank tagger (podruntime/ranklog.py) tagged with `rank` (and `attempt`): split
+    as the tagger splits (the newline alone), the tag counted only at a line's start (protocol.tag_of)."""
+    return [line for line in lines(text) if (tag := protocol.tag_of(line)) and tag[0] == rank
+            and (attempt is None or tag[1] == attempt)]
 
 
 def rank_log(core, release: Release, rank: int, attempt: int | None) -> list[str]:

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from podruntime import protocol
 from scripts.deployctl import why
-from tests.support.chart import CHART, HELM, pod_script
+from tests.support.chart import CHART, HELM
 from tests.support.prometheus import PROMETHEUS, dashboard_queries, query, scraping
 from tests.support.train_run import cpu_ds_config
-
-attempts = pod_script("attempts")
 
 KUBECONFIG, IMAGE = os.environ.get("KUBECONFIG", ""), os.environ.get("DS_IMAGE", "")
 SIDECAR_IMAGE = os.environ.get("DS_SIDECAR_IMAGE", "")  # the progress sidecar's (make image-sidecar); "": DS_IMAGE
@@ -369,7 +368,7 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
 
 
 def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_the_pod(namespace, shared_claim):
-    """runRetries 0: the first failed run spends the job's budget; the launcher exits with attempts.py's status
+    """runRetries 0: the first failed run spends the job's budget; the launcher exits with the ledger's status
     and the chart's podFailurePolicy fails the Job at once (no new pod), saying why where `kubectl get/describe
     pod` shows it (terminationMessagePolicy)."""
     install(namespace, steps=100000, train_config={"checkpoint_every": 0}, launcher={"scaleDownWorkers": False},
@@ -386,7 +385,7 @@ def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_th
     pods = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
                               namespace=namespace))["items"]
     terminated = [c["state"]["terminated"] for p in pods for c in p["status"]["containerStatuses"]]
-    assert [t["exitCode"] for t in terminated] == [attempts.NOT_RETRIED], terminated
+    assert [t["exitCode"] for t in terminated] == [protocol.EXIT_NOT_RETRIED], terminated
     assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in terminated[0].get("message", "")
     assert terminated[0]["message"].startswith("failed | budget-spent | "), terminated[0]
     text, _ = make_why(namespace, "ssh")
@@ -414,9 +413,10 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
                        lambda: diagnose(namespace))
     # The progress ConfigMap (the launcher's sidecar, from both workers' reports) names the stopped rank on the
     # second host, not the first host's rank that waits for it (what it showed before).
-    assert seen.get("culprit") == f"rank 1 on {WORKERS}-1", seen
-    assert f"hang: rank 1 on {WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
     logs = launcher_logs(namespace)
+    around_the_hang = logs[max(0, logs.find("attempts: attempt 2") - 5000):][:6000]
+    assert seen.get("culprit") == f"rank 1 on {WORKERS}-1", (seen, around_the_hang)
+    assert f"hang: rank 1 on {WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
     assert outcome == "Complete", attempts_summary(namespace)
     assert get("job", LAUNCHER, namespace)["status"].get("failed") is None, attempts_summary(namespace)
     assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+worker-1: process stopped", logs), logs[-6000:]
@@ -512,7 +512,11 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
     check_progress_while_training(namespace)
     first = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
                                namespace=namespace))["items"][0]["metadata"]["name"]
+    # Its log goes with the pod: followed from here, it says how the stopped attempt ended.
+    follower = subprocess.Popen(["kubectl", "--namespace", namespace, "logs", "-f", first, "-c", "launcher"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     kubectl("delete", "pod", first, "--wait=true", namespace=namespace, timeout=240)
+    first_log = follower.communicate(timeout=30)[0]
     saved = wait_for(lambda: latest_checkpoint(namespace), 30, "the checkpoint written on SIGTERM")
     retry_log = wait_for(lambda: "resumed from" in (log := kubectl("logs", f"job/{LAUNCHER}", namespace=namespace,
                                                                    check=False)) and log, 240,
@@ -525,7 +529,7 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
     # The pods saw a SIGTERM (preempted); the API server saw whose: `make why` says the pod was deleted.
     text, _ = make_why(namespace, "ssh")
     assert re.search(rf"Attempts: 1 pod-deleted at step \d+, {TOOK} \(the pods saw preempted; the cluster: "
-                     rf"pod {first}: Killing at ", text), text
+                     rf"pod {first}: Killing at ", text), (text, first_log[-4000:])
     stop_endless_job(namespace)
 
 

@@ -1,8 +1,8 @@
 """The object store's long drills (`make drill-objectstore`; CI runs the short ones in tests/test_objectstore.py
 and the cluster tier): 20 uploads killed at random points, a resume from the bucket at another world size against
 the same resume from a shared claim, and the gateway frozen for 60 s under a training run. Each prints its row of
-the table the closing notes carry. Real parts: the RADOS Gateway of ../shared/s3, files/objectstore.py and
-files/sidecar.py as the pods run them, the train package on DeepSpeed's engine."""
+the table the closing notes carry. Real parts: the RADOS Gateway of ../shared/s3, podruntime/objectstore.py and
+podruntime/sidecar.py as the pods run them, the train package on DeepSpeed's engine."""
 
 import json
 import os
@@ -10,19 +10,19 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from podruntime import checkpoints, objectstore, protocol
 from tests.support import s3
-from tests.support.chart import CHART, pod_script
+from tests.support.chart import pod_program
 from tests.support.harness import wait_for
 from tests.support.ports import free_port
 from tests.support.train_run import TINY, cpu_ds_config, launch, metrics, run_per_worker, run_train, write_ds_config
-from train import checkpoint, podstate, tags
+from train import checkpoint
 
 pytestmark = pytest.mark.skipif(
     "objectstore" not in os.environ.get("DS_DRILLS", "") or s3.unavailable() is not None,
@@ -122,7 +122,6 @@ def test_a_job_resumed_from_the_bucket_on_three_ranks_trains_as_one_resumed_from
     first = run_per_worker([*common, "--steps", "8"], workers)
     assert first.returncode == 0, first.stdout[-4000:]
     bucket = s3.new_bucket(gateway)
-    objectstore = pod_script("objectstore")
     uploaders = [objectstore.Uploader(objectstore.Settings(env=s3.worker_env(gateway, bucket, d, n)))
                  for n, d in enumerate(workers)]
     for uploader in (*uploaders, uploaders[0]):
@@ -156,7 +155,7 @@ def test_a_job_resumed_from_the_bucket_on_three_ranks_trains_as_one_resumed_from
 
 
 def test_the_gateway_frozen_for_60s_training_goes_on_the_lag_shows_and_the_uploads_catch_up(gateway, tmp_path):
-    """A 2-rank run saving every 20 steps with the worker pod's sidecar (files/sidecar.py, its uploads thread and
+    """A 2-rank run saving every 20 steps with the worker pod's sidecar (podruntime/sidecar.py, its uploads thread and
     metrics); the gateway frozen (SIGSTOP) for 60 s: the steps go on, the sidecar's lag grows, and after the thaw
     the bucket catches up with the volume."""
     bucket = s3.new_bucket(gateway)
@@ -164,10 +163,10 @@ def test_the_gateway_frozen_for_60s_training_goes_on_the_lag_shows_and_the_uploa
     state.mkdir()
     ds_config = write_ds_config(tmp_path, cpu_ds_config())
     port = free_port()
-    env = {"PATH": os.environ["PATH"], podstate.STATE_DIR_ENV: str(state), "PYTHONUNBUFFERED": "1",
+    env = {"PATH": os.environ["PATH"], protocol.STATE_DIR_ENV: str(state), "PYTHONUNBUFFERED": "1",
            "DS_NODE_RANK": "0", "KUBECONFIG": str(tmp_path / "none"),
            **s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory), DS_OBJECT_STORE_ROLE="worker")}
-    sidecar = subprocess.Popen([sys.executable, "-I", str(CHART / "files" / "sidecar.py"), "--progress",
+    sidecar = subprocess.Popen([*pod_program("sidecar"), "--progress",
                                 "--metrics-port", str(port)], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     ranks = launch(["--ds-config", str(ds_config), "--steps", "1000000", "--checkpoint-every", "20",
@@ -189,7 +188,7 @@ def test_the_gateway_frozen_for_60s_training_goes_on_the_lag_shows_and_the_uploa
     def newest_local() -> int:
         found = checkpoint.tags_newest_first(directory) if directory.is_dir() else []
         complete = [t for t in found if checkpoint.is_complete(t)]
-        return tags.step_of(complete[0].name) if complete else 0
+        return checkpoints.step_of(complete[0].name) if complete else 0
 
     try:
         wait_for(lambda: (metric("checkpoint_committed_step") or 0) >= 20, 180, "a first tag in the bucket")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chart import pod_script
+from podruntime import protocol
+from podruntime.ledger import Ledger
 from tests.support.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, UID, e2e_values, render
 from tests.support.harness import (
     ROOT,
@@ -19,8 +20,6 @@ from tests.support.harness import (
     wait_for,
 )
 from train import checkpoint
-
-attempts = pod_script("attempts")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 def test_the_rendered_chart_trains_across_hosts(shared_dir):
@@ -67,7 +66,7 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
 
 
 def test_a_killed_rank_fails_the_run_within_the_timeout_and_a_spent_budget_fails_the_job(shared_dir):
-    """runRetries 0: the first failure spends the job's budget; the launcher ends with attempts.py's status, which
+    """runRetries 0: the first failure spends the job's budget; the launcher ends with the ledger's status, which
     the chart's podFailurePolicy turns into a failed Job (no new pod)."""
     values = e2e_values(shared_dir, steps=100000, log_every=10, checkpoint_every=0)
     values["job"]["runRetries"] = 0
@@ -83,7 +82,7 @@ def test_a_killed_rank_fails_the_run_within_the_timeout_and_a_spent_budget_fails
         code = wait(first, timeout=120)
         failed_after = time.monotonic() - killed_at
         log = launcher.log()
-        assert code == attempts.NOT_RETRIED, log[-3000:]
+        assert code == protocol.EXIT_NOT_RETRIED, log[-3000:]
         assert "attempts: attempt 1 (0 of 0 failures used, 0 preemptions)" in log
         assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in log
         assert failed_after < 60 + 30, f"job took {failed_after:.0f}s to fail"  # the collective timeout + teardown
@@ -181,9 +180,12 @@ def test_three_crashes_and_two_preemptions_on_one_job_then_attempt_6_runs_with_3
         # A preemption lost no step: the next attempt resumed at the step the ranks stopped and saved at.
         resumed = [int(r) for r in re.findall(r"resumed from \S+ at step (\d+)", "".join(pod_logs) + log)]
         assert all(step in resumed for step in preempted_at), (preempted_at, resumed)
-        ledger = next((cluster.checkpoint_dir() / "_job" / "attempts").iterdir())
-        assert [attempts.verdict(a) for a in attempts.numbered(ledger)] == [
+        attempts = cluster.checkpoint_dir() / "_job" / "attempts"
+        book = Ledger({"DS_ATTEMPTS_DIR": str(attempts), "DS_JOB_UID": next(attempts.iterdir()).name})
+        assert [book.verdict(n) for n in book.numbered()] == [
             "failure", "failure", "preemption", "failure", "preemption", "success"]
+        # A stop's cause keeps the step the ranks stopped at (`make why`: "1 pod-deleted at step N").
+        assert [book.cause_of(n).get("step") for n in (3, 5)] == preempted_at, [book.cause_of(n) for n in (3, 5)]
 
 
 def test_autotuning_tunes_through_the_chart_in_the_releases_own_directory(shared_dir):
@@ -208,3 +210,27 @@ def test_autotuning_tunes_through_the_chart_in_the_releases_own_directory(shared
         assert (cluster.checkpoint_dir() / "autotuning" / "exps").is_dir()
         claim = cluster.claim_dir("checkpoints")
         assert sorted(p.name for p in claim.iterdir()) == ["default"]  # nothing outside the release's directory
+
+
+def test_a_worker_pod_that_gets_sigterm_is_a_preemption_on_the_charts_default_storage(shared_dir):
+    """An emptyDir per pod (the ledger in the launcher's /tmp, none shared): worker 1's pod gets SIGTERM mid-run (a
+    deletion, a drain). Its agent tells the launcher over the attempt loop's channel before its ranks stop (they
+    save the step they stop at), so the attempt is a preemption: with runRetries 0 a failure would end the job, and
+    the next attempt begins with the budget untouched (the preemption tests above resume it)."""
+    values = e2e_values(shared_dir, steps=1000, log_every=5, checkpoint_every=0)
+    del values["checkpoints"]
+    values["job"]["runRetries"] = 0
+    with Cluster(render(values)) as cluster:
+        workers = cluster.start_workers()
+        launcher = cluster.pods_of("launcher")[0]
+        run = cluster.start(launcher)
+        wait_for(lambda: "INFO step 10/" in launcher.log(), 180, "training to start", launcher.log)
+        cluster.signal_main(workers[1].process, signal.SIGTERM)  # the kubelet's signal to the pod's PID 1
+        assert wait(workers[1].process, timeout=60) == 0, workers[1].log()[-3000:]
+        wait_for(lambda: "attempts: attempt 2 (0 of 0 failures used, 1 preemption)" in launcher.log(), 120,
+                 "the next attempt, the budget untouched", launcher.log)
+        log = launcher.log()
+        assert "got SIGTERM: attempt 1 is a preemption" in log
+        stopped = re.findall(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", log)
+        assert stopped and stopped[-1][0] == stopped[-1][1], log[-3000:]  # the ranks saved the step they stopped at
+        assert run.poll() is None  # the launcher waits for the worker to come back

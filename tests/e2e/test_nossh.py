@@ -10,13 +10,12 @@ import time
 
 import pytest
 
-from tests.support.chart import pod_script
+from podruntime import protocol
+from podruntime.ledger import Ledger
 from tests.support.chart_pods import COLLECTIVE_TIMEOUT_MINUTES, REASON, SECRET_VALUE, e2e_values, render
 from tests.support.harness import Claims, Cluster, step_losses, wait, wait_for
 from tests.support.train_run import cpu_ds_config
 from train import checkpoint
-
-attempts = pod_script("attempts")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
@@ -37,7 +36,7 @@ def test_nossh_trains_across_hosts_without_ssh_and_every_pod_ends(shared_dir):
         worker0, worker1 = cluster.pods_of("worker")
         assert codes == [0, 0], worker0.log()[-4000:] + worker1.log()[-3000:]
         log = worker0.log()
-        assert "gang-barrier 0: all 2 workers are here" in log
+        assert "barrier 0: all 2 workers are here" in log
         assert "world size 2 | ZeRO stage 2" in log
         losses = step_losses(log)
         assert sorted(losses) == [10, 20, 30, 40] and losses[40] < losses[10]
@@ -59,7 +58,7 @@ def test_nossh_trains_across_hosts_without_ssh_and_every_pod_ends(shared_dir):
 
 def test_nossh_a_killed_rank_fails_every_rank_and_a_spent_budget_ends_every_worker(shared_dir):
     """runRetries 0: the killed rank's run fails on every worker within the collective timeout; at the start
-    barrier worker 0 finds the job's budget spent and ends every worker with attempts.py's status (the chart's
+    barrier worker 0 finds the job's budget spent and ends every worker with the ledger's status (the chart's
     podFailurePolicy fails the Job on it)."""
     docs = render(nossh_values(shared_dir, retries=0, steps=100000, log_every=10, checkpoint_every=0))
     with Cluster(docs) as cluster:
@@ -73,7 +72,7 @@ def test_nossh_a_killed_rank_fails_every_rank_and_a_spent_budget_ends_every_work
         codes = [wait(p, timeout=60 + 60) for p in processes]
         failed_after = time.monotonic() - killed_at
         log0, log1 = worker0.log(), worker1.log()
-        assert codes == [attempts.NOT_RETRIED] * 2, log0[-4000:] + log1[-3000:]
+        assert codes == [protocol.EXIT_NOT_RETRIED] * 2, log0[-4000:] + log1[-3000:]
         assert "failure budget spent: 1 failed attempts, job.runRetries=0 allows 0" in log0
         # The cause, from worker 1's evidence at the barrier (its launcher's status: the rank's SIGKILL), not worker
         # 0's ranks' errors that followed from it.
@@ -116,6 +115,10 @@ def test_nossh_a_lost_worker_is_replaced_and_a_preempted_one_too_and_only_the_lo
         assert re.search(rf"resumed from \S+/step_{step:08d} at step {step}\b", log0)  # the preemption lost no step
         assert max(step_losses(log0)) == 300
         assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
+        attempts = ckpt / "_job" / "attempts"
+        book = Ledger({"DS_ATTEMPTS_DIR": str(attempts), "DS_JOB_UID": next(attempts.iterdir()).name})
+        assert [book.verdict(n) for n in book.numbered()] == ["failure", "preemption", "success"]
+        assert book.cause_of(2).get("step") == step, book.cause_of(2)  # the step the ranks stopped (and saved) at
 
 
 def test_nossh_a_worker_with_another_rank_count_fails_loudly_and_is_not_retried(shared_dir):

@@ -1,12 +1,11 @@
 """`render_chart()`: the real `helm template` of the chart, parsed. Tests assert fields of what it returns."""
 
 import copy
-import functools
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -117,12 +116,10 @@ def container(workload: dict) -> dict:
 def env_of(workload: dict) -> dict:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(workload)["env"]}
 
+SCRIPTS = CHART / "files"  # the pods' scripts directory, which runs as a program (files/__main__.py)
 
-@functools.cache
-def pod_script(name: str):
-    """The chart's pod script files/<name>.py as a module, as the pods run it (it imports its protocol copy from
-    files/generated/ itself): no sys.path of the tests' reaches into the chart."""
-    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), CHART / "files" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def pod_program(program: str, *args: str) -> list[str]:
+    """A pod program's command as the pods run it: `python3 -I <scripts> PROGRAM ARGS` (podruntime/cli.py), the
+    chart's own files."""
+    return [sys.executable, "-I", str(SCRIPTS), program, *args]

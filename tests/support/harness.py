@@ -27,6 +27,7 @@ import json
 import os
 import pwd
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -174,6 +175,26 @@ class Claims:
         return path
 
 
+def write_projected(target: Path, files: list[tuple[str, str | bytes, int]], gid: int) -> None:
+    """A ConfigMap or Secret volume laid out as the kubelet's AtomicWriter lays it out: the files in a timestamped
+    `..<version>` directory, `..data` a link to it, and each top-level name a link through `..data`, so that pod
+    programs meet the same links there as on a cluster."""
+    if (target / "..data").is_symlink():
+        return  # the volume is mounted twice: written once
+    # The kubelet names the version by the time and a random number: another pod's mount, another name.
+    version = target / time.strftime(f"..%Y_%m_%d_%H_%M_%S.{secrets.randbelow(10**10)}")
+    version.mkdir(parents=True, exist_ok=True)
+    for relpath, value, mode in files:
+        path = version / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)  # an item's path may name a subdirectory
+        path.write_bytes(value if isinstance(value, bytes) else value.encode())
+        os.chown(path, 0, gid)
+        os.chmod(path, mode)
+    (target / "..data").symlink_to(version.name)
+    for top in sorted({relpath.split("/")[0] for relpath, _, _ in files}):
+        (target / top).symlink_to(f"..data/{top}")
+
+
 def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> dict[str, Path]:
     """mountPath -> directory on this machine holding what the pod sees there: ConfigMap and Secret files
     (items, defaultMode, group fsGroup as the kubelet does), emptyDirs (mode 0777), claims via claim_dir()."""
@@ -190,14 +211,8 @@ def materialize_volumes(docs: list[dict], pod: Pod, root: Path, claim_dir) -> di
             if kind == "Secret":
                 data = {k: base64.b64decode(v) for k, v in data.items()}
             items = source.get("items") or [{"key": k, "path": k} for k in data]
-            target.mkdir(parents=True, exist_ok=True)
-            for item in items:
-                path = target / item["path"]
-                path.parent.mkdir(parents=True, exist_ok=True)  # an item's path may name a subdirectory
-                value = data[item["key"]]
-                path.write_bytes(value if isinstance(value, bytes) else value.encode())
-                os.chown(path, 0, pod.gid)
-                os.chmod(path, item.get("mode", source.get("defaultMode", 0o644)))
+            write_projected(target, [(item["path"], data[item["key"]],
+                                      item.get("mode", source.get("defaultMode", 0o644))) for item in items], pod.gid)
         elif "emptyDir" in volume:
             target.mkdir(parents=True, exist_ok=True)
             os.chmod(target, 0o777)

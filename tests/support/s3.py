@@ -12,10 +12,11 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.support.chart import pod_program
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT.parent / "shared" / "s3" / "local-s3.sh"
 STATE = ROOT / ".build" / "s3"
-OBJECTSTORE = ROOT / "charts" / "deepspeed-training" / "files" / "objectstore.py"  # the chart's, as pods run it
 LOCK = ROOT / ".build" / "s3.lock"
 
 
@@ -127,7 +128,7 @@ def new_bucket(env: dict[str, str], prefix: str = "t") -> str:
 
 def store_env(env: dict[str, str], bucket: str, *, endpoint: str | None = None, release: str = "ml/job",
               **extra: str) -> dict[str, str]:
-    """The environment the chart gives files/objectstore.py (its restore container and the sidecar)."""
+    """The environment the chart gives podruntime/objectstore.py (its restore container and the sidecar)."""
     return {"DS_OBJECT_STORE_BUCKET": bucket, "DS_OBJECT_STORE_ENDPOINT": endpoint or env["AWS_ENDPOINT_URL"],
             "DS_OBJECT_STORE_REGION": env["AWS_DEFAULT_REGION"], "DS_OBJECT_STORE_PATH_STYLE": "true",
             "DS_OBJECT_STORE_KEEP": "3", "DS_OBJECT_STORE_CREDENTIALS_SECRET": "ml-checkpoints-s3",
@@ -143,12 +144,12 @@ def worker_env(env: dict[str, str], bucket: str, directory: Path, node: int, nod
 
 
 def objectstore_argv(command: str) -> list[str]:
-    """files/objectstore.py COMMAND as the restore container runs it (python3 -I)."""
-    return [sys.executable, "-I", str(OBJECTSTORE), command]
+    """`objectstore COMMAND` as the restore container runs it (python3 -I <scripts>)."""
+    return pod_program("objectstore", command)
 
 
 def run_objectstore(command: str, env: dict[str, str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    """files/objectstore.py COMMAND with only the chart's env (and PATH); kwargs go to subprocess.run (user=...)."""
+    """`objectstore COMMAND` with only the chart's env (and PATH); kwargs go to subprocess.run (user=...)."""
     return subprocess.run(objectstore_argv(command), env={"PATH": os.environ["PATH"], **env}, capture_output=True,
                           text=True, timeout=timeout, **kwargs)
 
@@ -156,7 +157,7 @@ def run_objectstore(command: str, env: dict[str, str], timeout: float = 120, **k
 def upload_round(env: dict[str, str], rounds: int = 1, **kwargs) -> subprocess.Popen:
     """`rounds` rounds of the sidecar's uploads (objectstore.Uploader.step) in a process of their own, one that a
     test can kill; kwargs go to Popen (stdout=...). Its log lines go to stderr."""
-    code = (f"import sys; sys.path.insert(0, {str(OBJECTSTORE.parent)!r}); import objectstore; "
+    code = ("from podruntime import objectstore; "
             f"u = objectstore.Uploader(objectstore.Settings()); [u.step() for _ in range({rounds})]")
     return subprocess.Popen([sys.executable, "-I", "-c", code], env={"PATH": os.environ["PATH"], **env}, **kwargs)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sourced by worker.sh and launcher.sh: builds ~/.ssh from the mounted Secret and ConfigMap.
+# Run by the ssh launcher and worker (podruntime/sshmode.py ssh_setup): builds ~/.ssh from the mounted Secret and
+# ConfigMap.
 # Keys are copied (not used in place) because ssh refuses keys and configs that others can read.
 # authorized_keys and known_hosts are derived from the private keys, so the Secret holds only those.
 set -euo pipefail

@@ -90,9 +90,11 @@ immutable), so the revision is part of the name.
 {{- printf "%s-%d.%s" (include "deepspeed-training.workerPodPrefix" .root) (int .index) (include "deepspeed-training.workerDomain" .root) }}
 {{- end }}
 
-{{/* nossh: worker 0 serves the workers' start barrier (files/gang-barrier.py) on the port after the rendezvous. */}}
-{{- define "deepspeed-training.barrierPort" -}}
-{{- add .Values.deepspeed.masterPort 1 }}
+{{/* The attempt loop's channel (podruntime/channel.py) on the port below the rendezvous (DeepSpeed's autotuner gives
+its experiments the ports from the rendezvous's up): nossh, worker 0 serves the hosts' meeting on it; ssh, every
+worker's agent, which the launcher connects to. */}}
+{{- define "deepspeed-training.channelPort" -}}
+{{- sub .Values.deepspeed.masterPort 1 }}
 {{- end }}
 
 {{/* Pods that must run together: the workers, and in ssh mode the launcher. */}}
@@ -253,24 +255,30 @@ kueue.x-k8s.io/podset-{{ .mode }}-topology: {{ .level | quote }}
 {{- end }}
 {{- end }}
 
-{{/* The pods' scripts: ConfigMap key -> path under files/, which is also their path under scriptsDir (the volume's
-items), so that a script finds its neighbours (generated/podstate.py, the protocol's copy) in the pod as in the
-chart. */}}
+{{/* The pod programs: ConfigMap key -> path under files/, which is also their path under scriptsDir (the volume's
+items: a key cannot hold a `/`). The scripts directory runs as a program, `python3 -I <scriptsDir> PROGRAM`
+(files/__main__.py), and imports the package beside it, files/podruntime/, whole: the pod runtime's source, which
+train/ and the glue import too. rank-log.py is DeepSpeed's launcher's script for every rank; the shell files are the
+ssh mode's setup and probe. */}}
 {{- define "deepspeed-training.podScripts" -}}
-{{- $paths := list "hosts.sh" "kill-ranks.sh" "run-child.sh" "watchdog.py" "attempts.py" "sidecar.py" "rank-log.py" "generated/podstate.py" "generated/podstate.sh" }}
-{{- if .Values.checkpoints.objectStore.bucket }}
-{{- $paths = concat $paths (list "objectstore.py" "generated/tags.py") }}
+{{- $paths := list "__main__.py" "rank-log.py" }}
+{{- range $path, $_ := .Files.Glob "files/podruntime/*.py" }}
+{{- $paths = append $paths (trimPrefix "files/" $path) }}
 {{- end }}
 {{- if eq .Values.launchMode "ssh" }}
-{{- $paths = concat $paths (list "ssh-setup.sh" "worker.sh" "sshd-listening.sh" "launcher.sh" "wait-for-workers.sh") }}
-{{- else }}
-{{- $paths = concat $paths (list "nossh-worker.sh" "gang-barrier.py") }}
+{{- $paths = concat $paths (list "ssh-setup.sh" "sshd-listening.sh") }}
 {{- end }}
 {{- $scripts := dict }}
 {{- range $paths }}
-{{- $_ := set $scripts (base .) . }}
+{{- $_ := set $scripts (replace "/" "." .) . }}
 {{- end }}
 {{- toJson $scripts }}
+{{- end }}
+
+{{/* A pod program's command, the words of a flow sequence: the scripts directory run as a program (`python3 -I`:
+no PYTHONPATH, startup file or user site of the image's reaches it), then the program's name. */}}
+{{- define "deepspeed-training.podProgram" -}}
+"python3", "-I", {{ include "deepspeed-training.scriptsDir" .root | quote }}, {{ .program | quote }}
 {{- end }}
 
 {{/* Volumes every pod mounts: config, scripts, SSH keys (ssh mode), home and /tmp. */}}
@@ -317,13 +325,13 @@ chart. */}}
   mountPath: /tmp
 {{- end }}
 
-{{/* Seconds kill-ranks.sh gives ranks to save after SIGTERM: the worker's grace period less the time sshd
+{{/* Seconds the rank stopper (podruntime/ranks.py) gives ranks to save after SIGTERM: the worker's grace period less the time sshd
 and the pod need to stop. */}}
 {{- define "deepspeed-training.killGraceSeconds" -}}
 {{- sub .Values.worker.terminationGracePeriodSeconds 10 | max 1 }}
 {{- end }}
 
-{{/* Env every container gets: where things are, for files/*.sh. */}}
+{{/* Env every container gets: where things are, for the pod programs. */}}
 {{- define "deepspeed-training.commonEnv" -}}
 - name: HOME
   value: {{ .Values.image.homeDir | quote }}
@@ -340,10 +348,13 @@ and the pod need to stop. */}}
 - name: DS_RANK_STATE_DIR
   value: {{ include "deepspeed-training.rankStateDir" . | quote }}
 {{ include "deepspeed-training.protocolEnv" . }}
+# The attempt loop's channel between the hosts and the ledger's owner (podruntime/channel.py).
+- name: DS_CHANNEL_PORT
+  value: {{ include "deepspeed-training.channelPort" . | quote }}
 - name: DS_ATTEMPTS_DIR
   value: {{ include "deepspeed-training.attemptsDir" . | quote }}
 {{- with .Values.hangDetection }}
-# The one switch of the watchdog (files/watchdog.py, in every worker pod), and its budgets.
+# The one switch of the watchdog (podruntime/watchdog.py, in every worker pod), and its budgets.
 - name: DS_HANG_DETECTION
   value: {{ ternary "on" "off" .enabled | quote }}
 {{- if .enabled }}
@@ -405,7 +416,7 @@ config check's. */}}
   value: {{ .Values.job.runRetries | int | quote }}
 - name: DS_NO_PROGRESS_ATTEMPTS
   value: {{ .Values.job.noProgressAttempts | int | quote }}
-# files/attempts.py keys the job's ledger of attempts by the Job's uid: a reinstall gets a fresh failure budget.
+# The ledger (podruntime/ledger.py) keys the job's attempts by the Job's uid without the sidecar's job identity.
 - name: DS_JOB_UID
   valueFrom:
     fieldRef:
@@ -415,14 +426,14 @@ config check's. */}}
 {{- end }}
 
 {{/*
-Where ranks report their state and heartbeat (train/rankstate.py; files/kill-ranks.sh reads it: a rank that has
+Where ranks report their state and heartbeat (train/rankstate.py; podruntime/ranks.py reads it: a rank that has
 not finished a step since it started has nothing to save, one that does not acknowledge SIGTERM is stuck in a
-collective; files/watchdog.py judges the heartbeats). Inside the pod's /tmp emptyDir.
+collective; podruntime/watchdog.py judges the heartbeats). Inside the pod's /tmp emptyDir.
 */}}
 {{- define "deepspeed-training.rankStateDir" -}}/tmp/deepspeed-ranks{{- end }}
 
 {{/*
-The job's ledger of attempts and failure budget (files/attempts.py): in the release's checkpoint directory
+The job's ledger of attempts and failure budget (podruntime/ledger.py): in the release's checkpoint directory
 wherever the attempt's owner has it (ssh: the launcher, which mounts a shared claim; nossh: worker 0), in the folder
 the chart keeps there (podstate.JOB_DIR), so a new pod continues the count; else in the pod's /tmp, where each pod
 starts its own count.
@@ -598,13 +609,13 @@ paths in the program's convention (last: argparse keeps the last occurrence). Al
 
 {{/*
 The `deepspeed` command. ssh (the launcher): pdsh over SSH to the hostfile's workers. nossh (every worker):
-this node only; files/nossh-worker.sh adds `--node_rank=<the Job completion index>`. Then the program, which
+this node only; the worker's attempt loop (podruntime/nosshmode.py) adds `--node_rank=<the Job completion index>`. Then the program, which
 DeepSpeed's launcher starts through files/rank-log.py: every line a rank writes carries its rank and attempt.
 */}}
 {{- define "deepspeed-training.launchCommand" -}}
 {{- $command := list "deepspeed" (printf "--hostfile=%s/hostfile" (include "deepspeed-training.configDir" .)) }}
 {{- if eq .Values.launchMode "ssh" }}
-{{- /* --no_ssh_check: wait-for-workers.sh has checked SSH to every worker, not just the first.
+{{- /* --no_ssh_check: the launcher's meeting (podruntime/sshmode.py) has checked SSH to every worker.
        --force_multi: always over pdsh, also with one worker: never run ranks in the launcher pod. */}}
 {{- $command = concat $command (list "--launcher=pdsh" (printf "--ssh_port=%d" (int .Values.ssh.port)) "--no_ssh_check" "--force_multi") }}
 {{- with .Values.launcher.autotuning }}
@@ -621,9 +632,10 @@ DeepSpeed's launcher starts through files/rank-log.py: every line a rank writes 
 {{- toJson (concat $command .Values.deepspeed.runnerArgs (list $rankLog) (include "deepspeed-training.programCommand" . | fromJsonArray)) }}
 {{- end }}
 
-{{/* The run-state protocol's constants the templates need: files/generated/podstate.json, from train/podstate.py. */}}
+{{/* The run-state protocol's constants the templates need: files/generated/protocol.json, generated from
+podruntime/protocol.py. */}}
 {{- define "deepspeed-training.podstate" -}}
-{{- .Files.Get "files/generated/podstate.json" }}
+{{- .Files.Get "files/generated/protocol.json" }}
 {{- end }}
 
 {{/* The run-state protocol version the chart's pod scripts speak: the ranks and the config check refuse another. */}}
@@ -647,7 +659,7 @@ podFailurePolicy:
         - type: DisruptionTarget
           status: "True"
     # Exit status 2 is a configuration error (bad arguments or input files): a retry would fail the same way.
-    # 3: the job's failure budget is spent (files/attempts.py counts it across pods).
+    # 3: the ledger stopped the job (podruntime/ledger.py: the budget spent across pods, a stop rule).
     # Both exit-code rules name the main container: a native sidecar's exit codes would match them too.
     - action: FailJob
       onExitCodes:

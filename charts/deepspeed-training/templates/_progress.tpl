@@ -1,5 +1,5 @@
 {{/*
-The progress sidecar (files/sidecar.py), in every pod of the release when progress.enabled: a native sidecar (an
+The progress sidecar (podruntime/sidecar.py), in every pod of the release when progress.enabled: a native sidecar (an
 init container that keeps running), so that a Job's pod still ends with its main container. It runs no program
 code, in the platform's image (progress.image), and it is the only container that holds a token: the release's own
 ServiceAccount's, from a projected volume of its own (every pod keeps automountServiceAccountToken false, and the
@@ -18,7 +18,7 @@ ServiceAccount (serviceAccount.create), since the chart binds its Roles to no ot
 {{- if and .Values.progress.enabled .Values.serviceAccount.create }}true{{- end }}
 {{- end }}
 
-{{/* The most samples one pod's sidecar serves (files/sidecar.py): three per rank of the pod, and 40 for rank 0's
+{{/* The most samples one pod's sidecar serves (podruntime/sidecar.py): three per rank of the pod, and 40 for rank 0's
 progress, the goodput buckets, the job's record and the uploads (35 today). */}}
 {{- define "deepspeed-training.metricsSampleLimit" -}}
 {{- add 40 (mul 3 (int .Values.worker.gpusPerWorker)) }}
@@ -43,7 +43,7 @@ initContainers:
     restartPolicy: Always
     # -I: no PYTHONPATH, PYTHONSTARTUP or user site-packages reach the process that holds the token.
     {{- $nossh := eq $root.Values.launchMode "nossh" }}
-    command: ["python3", "-I", "{{ include "deepspeed-training.scriptsDir" $root }}/sidecar.py",
+    command: [{{ include "deepspeed-training.podProgram" (dict "root" $root "program" "sidecar") }},
               {{- if include "deepspeed-training.progressPublishes" $root }}
               "--configmap", {{ include "deepspeed-training.progressName" $root | quote }},
               {{- end }}
@@ -119,7 +119,7 @@ initContainers:
 {{- end }}
 
 {{/*
-The object store (checkpoints.objectStore; files/objectstore.py), in the platform's image beside the progress
+The object store (checkpoints.objectStore; podruntime/objectstore.py), in the platform's image beside the progress
 sidecar: a restore init container before it, and the sidecar's uploads. Only these containers get the bucket's
 credentials (validateObjectStore refuses any reference of the tenant's to the Secret). The worker pods keep the
 checkpoints (their volume: read-only for the uploads, writable for the restore); the launcher pod of launchMode ssh
@@ -132,7 +132,7 @@ keeps the job's ledger in its /tmp. Called with (dict "root" $ "component" "work
   imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
   # Before the ranks: the store answers with these credentials (else one line naming the value, and the pod
   # fails), then the newest committed checkpoint where this pod's volume holds none as new, and the job's records.
-  command: ["python3", "-I", "{{ include "deepspeed-training.scriptsDir" $root }}/objectstore.py", "restore"]
+  command: [{{ include "deepspeed-training.podProgram" (dict "root" $root "program" "objectstore") }}, "restore"]
   env:
     {{- if eq .component "worker" }}
     - name: DS_NODE_RANK

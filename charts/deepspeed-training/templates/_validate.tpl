@@ -47,13 +47,18 @@ never at the API server or on a rank after the GPUs are allocated.
 
 {{/* What each launch mode needs of the other values. */}}
 {{- define "deepspeed-training.validateLaunchMode" -}}
-{{- if .Values.progress.enabled }}
-{{- $taken := dict (toString (int .Values.deepspeed.masterPort)) "deepspeed.masterPort" }}
-{{- if eq .Values.launchMode "ssh" }}
-{{- $_ := set $taken (toString (int .Values.ssh.port)) "ssh.port" }}
-{{- else }}
-{{- $_ := set $taken (include "deepspeed-training.barrierPort" .) "the start barrier's port (deepspeed.masterPort + 1)" }}
+{{- if le (int .Values.deepspeed.masterPort) 1024 }}
+{{- fail (printf "deepspeed.masterPort: %d leaves no unprivileged port for the attempt loop's channel (the port below it); use a port above 1024" (int .Values.deepspeed.masterPort)) }}
 {{- end }}
+{{- $taken := dict (toString (int .Values.deepspeed.masterPort)) "deepspeed.masterPort" }}
+{{- $_ := set $taken (include "deepspeed-training.channelPort" .) "the attempt loop's channel port (deepspeed.masterPort - 1)" }}
+{{- if eq .Values.launchMode "ssh" }}
+{{- with get $taken (toString (int .Values.ssh.port)) }}
+{{- fail (printf "ssh.port: %d is also %s: every worker listens on both; use another port" (int $.Values.ssh.port) .) }}
+{{- end }}
+{{- $_ := set $taken (toString (int .Values.ssh.port)) "ssh.port" }}
+{{- end }}
+{{- if .Values.progress.enabled }}
 {{- with get $taken (toString (int .Values.progress.metricsPort)) }}
 {{- fail (printf "progress.metricsPort: %d is also %s: the pods listen on both; use another port" (int $.Values.progress.metricsPort) .) }}
 {{- end }}
@@ -62,9 +67,6 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- $fanOut := (.Files.Get "files/generated/deepspeed.json" | fromJson).pdshMaxFanOut | int }}
 {{- if gt (int .Values.worker.replicas) $fanOut }}
 {{- fail (printf "worker.replicas: %d workers in launchMode ssh; DeepSpeed's pdsh runner starts at most %d hosts at once and each host's session lasts the whole run, so the rest would never start (use launchMode nossh, which has no such limit)" (int .Values.worker.replicas) $fanOut) }}
-{{- end }}
-{{- if eq (int .Values.ssh.port) (int .Values.deepspeed.masterPort) }}
-{{- fail (printf "ssh.port and deepspeed.masterPort are both %d: worker 0 runs sshd and the rendezvous on different ports" (int .Values.ssh.port)) }}
 {{- end }}
 {{- with .Values.launcher.autotuning }}
 {{- if not (has $.Values.train.argsConvention (list "deepspeed" "huggingface")) }}
@@ -77,9 +79,6 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- else }}
 {{- if .Values.launcher.autotuning }}
 {{- fail "launcher.autotuning needs launchMode ssh: DeepSpeed's autotuner starts every experiment over SSH (pdsh)" }}
-{{- end }}
-{{- if ge (int .Values.deepspeed.masterPort) 65535 }}
-{{- fail (printf "deepspeed.masterPort: %d leaves no port for the start barrier of launchMode nossh (the next port); use a port below 65535" (int .Values.deepspeed.masterPort)) }}
 {{- end }}
 {{- $lastHost := printf "%s-%d" (include "deepspeed-training.workerPodPrefix" .) (sub (int .Values.worker.replicas) 1) }}
 {{- if gt (len $lastHost) 63 }}

@@ -2,7 +2,7 @@
 The worker pod template (metadata and spec), one definition for both launch modes: the StatefulSet's pods (ssh:
 sshd, the launcher starts the ranks) and the Indexed Job's pods (nossh: each runs DeepSpeed's launcher for its
 own node rank). In ssh mode it carries the placeholder `workerTemplateHash` replaces: the launcher starts only
-once every worker reports the hash of the current template (files/wait-for-workers.sh).
+once every worker reports the hash of the current template (podruntime/sshmode.py, the launcher's meeting).
 */}}
 {{- define "deepspeed-training.workerPodTemplate" -}}
 {{- $nossh := eq .Values.launchMode "nossh" -}}
@@ -47,13 +47,13 @@ spec:
       # A failed pod says why in `kubectl get pod` / `describe`: the end of its log (what failed, a hang's report).
       terminationMessagePolicy: FallbackToLogsOnError
       {{- if $nossh }}
-      command: ["bash", "{{ include "deepspeed-training.scriptsDir" . }}/nossh-worker.sh"]
+      command: [{{ include "deepspeed-training.podProgram" (dict "root" . "program" "nossh-worker") }}]
       args:
         {{- range include "deepspeed-training.launchCommand" . | fromJsonArray }}
         - {{ . | quote }}
         {{- end }}
       {{- else }}
-      command: ["bash", "{{ include "deepspeed-training.scriptsDir" . }}/worker.sh"]
+      command: [{{ include "deepspeed-training.podProgram" (dict "root" . "program" "ssh-worker") }}]
       {{- end }}
       workingDir: {{ .Values.image.homeDir | quote }}
       ports:
@@ -65,17 +65,13 @@ spec:
         - name: rendezvous
           containerPort: {{ .Values.deepspeed.masterPort | int }}
           protocol: TCP
-        {{- if $nossh }}
-        - name: barrier
-          containerPort: {{ include "deepspeed-training.barrierPort" . | int }}
+        - name: channel
+          containerPort: {{ include "deepspeed-training.channelPort" . | int }}
           protocol: TCP
-        {{- end }}
       env:
         {{- include "deepspeed-training.commonEnv" . | nindent 8 }}
         {{- if $nossh }}
         {{- include "deepspeed-training.launcherEnv" . | nindent 8 }}
-        - name: DS_BARRIER_PORT
-          value: {{ include "deepspeed-training.barrierPort" . | quote }}
         {{- else }}
         - name: DS_WORKER_TEMPLATE
           value: {{ include "deepspeed-training.workerTemplatePlaceholder" . | quote }}

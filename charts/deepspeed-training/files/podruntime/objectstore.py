@@ -1,7 +1,7 @@
 """The release's checkpoints in an S3-compatible bucket (chart value checkpoints.objectStore): uploaded in the
-background from every worker's volume, restored before the ranks start where no volume holds them. It runs in the
-platform's image (the progress sidecar's: python3 with the `minio` client), never the tenant's, and only its
-containers hold the bucket's credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, from the platform's Secret).
+background from every worker's volume (a thread of the progress sidecar), restored before the ranks start where no
+volume holds them (the restore init container). It runs in the platform's image (the sidecar's: python3 with the
+`minio` client), never the tenant's, and only its containers hold the bucket's credentials.
 
 In the bucket, under the release's prefix `<namespace>/<release>/` (DS_RELEASE, fixed by the chart):
 
@@ -11,21 +11,16 @@ In the bucket, under the release's prefix `<namespace>/<release>/` (DS_RELEASE, 
     job/attempts/..., job/goodput/...       the job's records (the failure budget's ledger, goodput): a mirror of
                                             DS_ATTEMPTS_DIR and of <checkpoints>/_job/goodput
 
-A tag without committed.json is never restored. Which local checkpoints are complete is train/tags.py's rule (the
-chart's byte copy in generated/tags.py): the train package's committed tags, a Trainer's checkpoint-N, DeepSpeed's
-`latest`. On per-worker volumes (DS_CHECKPOINT_STORAGE per-worker) every worker uploads and restores its own part;
-on a shared claim node 0 alone does, with the whole tag as one part.
+A tag without committed.json is never restored. Which local checkpoints are complete is checkpoints.py's rule, and
+every read of the volume and every write of a restore goes through tenantfiles.Tree (a tenant's program writes
+these directories: no link followed, regular files only, tag names in checkpoints.TAG_NAME's grammar, paths checked
+component by component). On per-worker volumes (DS_CHECKPOINT_STORAGE per-worker) every worker uploads and restores
+its own part; on a shared claim node 0 alone does, with the whole tag as one part.
 
-Files are read without following a link and only if regular (a planted symlink or FIFO is neither followed nor
-uploaded), streamed in parts (multipart, parallel). One upload at a time, the newest complete tag: a newer one
-supersedes any older one not yet started. Node 0 keeps the newest `keep` committed tags in the bucket and deletes
-older tags, committed or not, never one newer than the newest committed (it may still be uploading).
-
-Usage (python3 -I; the environment below):
-  objectstore.py check     the bucket answers with these credentials: exit 0, else one line naming the value, exit 1
-  objectstore.py restore   before the ranks (an init container): check, then download the newest committed tag
-                           where this volume holds none as new, and the job's records where the pod keeps them
-The progress sidecar runs Uploader in a thread (sidecar.py).
+Files are streamed in parts (multipart, parallel), each checked again for its size after it was sent. One upload at
+a time, the newest complete tag: a newer one supersedes any older one not yet started. Node 0 keeps the newest
+`keep` committed tags in the bucket and deletes older tags, committed or not, never one newer than the newest
+committed (it may still be uploading).
 
 Environment: DS_OBJECT_STORE_{ENDPOINT,BUCKET,REGION,PATH_STYLE,CA_FILE,KEEP,CREDENTIALS_SECRET}, AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, DS_RELEASE, DS_CHECKPOINT_DIR, DS_CHECKPOINT_STORAGE, DS_NODE_RANK, DS_WORKERS,
@@ -33,20 +28,18 @@ DS_OBJECT_STORE_ROLE (worker, or launcher: the ledger only), DS_ATTEMPTS_DIR and
 0's worker keeps the ledger).
 """
 
+import io
 import json
 import os
-import re
-import shutil
-import stat
 import sys
 import threading
 import time
 import urllib.parse
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "generated"))  # the chart's copies of train/'s owners
-import podstate  # noqa: E402
-import tags  # noqa: E402
+from podruntime import checkpoints, protocol
+from podruntime.ledger import attempts_tree, job_tree
+from podruntime.tenantfiles import Tree, parse_json, parts_of
+from podruntime.text import Log
 
 PART_SIZE = 16 << 20  # multipart part size (S3's minimum is 5 MiB)
 PARALLEL = 4  # parts in flight per file
@@ -54,11 +47,9 @@ POLL_S = 2.0
 BACKOFF_MAX_S = 60.0
 CHUNK = 1 << 20
 RESTORING = ".restoring-"  # a download in progress: renamed into place when whole
-_SAFE_PATH = re.compile(r"^(?!/)(?!.*(^|/)\.\.?(/|$))[^\x00-\x1f\\]+$")
 
-
-def log(message: str) -> None:
-    print(f"objectstore: {message}", file=sys.stderr, flush=True)
+log = Log("objectstore", stream=sys.stderr)  # the uploads' lines, and why a check or a restore failed
+said = Log("objectstore")  # what a check or a restore did
 
 
 class TagChanged(Exception):
@@ -79,7 +70,7 @@ class Settings:
         self.keep = max(1, int(env.get("DS_OBJECT_STORE_KEEP", "3") or 3))
         self.secret = env.get("DS_OBJECT_STORE_CREDENTIALS_SECRET", "")
         self.prefix = env.get("DS_RELEASE", "").strip("/") + "/"
-        self.checkpoint_dir = Path(env.get("DS_CHECKPOINT_DIR", "/checkpoints"))
+        self.checkpoint_dir = Tree(env.get("DS_CHECKPOINT_DIR", "/checkpoints"), log)
         self.per_worker = env.get("DS_CHECKPOINT_STORAGE", "shared") == "per-worker"
         self.node = int(env.get("DS_NODE_RANK", "0") or 0)
         self.nodes = int(env.get("DS_WORKERS", "1") or 1) if self.per_worker else 1
@@ -87,7 +78,7 @@ class Settings:
         self.worker = env.get("DS_OBJECT_STORE_ROLE", "worker") == "worker"
         owns_ledger = env.get("DS_OBJECT_STORE_ROLE") == "launcher" or (self.worker and self.node == 0 and
                                                                          env.get("DS_LEDGER_ON_WORKER0") == "true")
-        self.attempts_dir = Path(env["DS_ATTEMPTS_DIR"]) if owns_ledger and env.get("DS_ATTEMPTS_DIR") else None
+        self.attempts = attempts_tree(env, log) if owns_ledger and env.get("DS_ATTEMPTS_DIR") else None
         self.access_key = env.get("AWS_ACCESS_KEY_ID", "")
         self.secret_key = env.get("AWS_SECRET_ACCESS_KEY", "")
 
@@ -98,6 +89,9 @@ class Settings:
     def commits(self) -> bool:
         """Node 0's worker commits tags in the bucket and keeps them pruned; it also keeps rank 0's goodput."""
         return self.worker and self.node == 0
+
+    def goodput(self) -> Tree | None:
+        return job_tree(self.checkpoint_dir, protocol.GOODPUT) if self.commits() else None
 
 
 def client(settings: Settings):
@@ -136,28 +130,6 @@ def check(store, settings: Settings) -> None:
                          ) from None
 
 
-def open_under(root_fd: int, relpath: str) -> int | None:
-    """A regular file below root_fd, opened without following any link on the way (O_NOFOLLOW on every
-    component) and without blocking (a FIFO): its descriptor, or None."""
-    parts = relpath.split("/")
-    fd = os.dup(root_fd)
-    try:
-        for part in parts[:-1]:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
-        os.close(file_fd)
-        return None
-    os.set_blocking(file_fd, True)
-    return file_fd
-
-
 class Uploader:
     """One pod's uploads; step() does one round (the sidecar calls it every POLL_S), status is what it reports."""
 
@@ -194,8 +166,8 @@ class Uploader:
         self.update_lag()
 
     def update_lag(self) -> None:
-        local = tags.complete_tags(self.settings.checkpoint_dir)
-        self.status["local_step"] = tags.step_of(local[0]) if local else None
+        local = checkpoints.complete_tags(self.settings.checkpoint_dir)
+        self.status["local_step"] = checkpoints.step_of(local[0]) if local else None
         reference = self.status["committed_step"] if self.settings.commits() else self.status["uploaded_step"]
         if self.status["local_step"] is not None:
             self.status["lag_steps"] = self.status["local_step"] - (reference or 0)
@@ -207,51 +179,48 @@ class Uploader:
             log(f"{err}: not committed; the newest complete tag goes up next")
 
     def upload_tag(self) -> None:
-        local = tags.complete_tags(self.settings.checkpoint_dir)
+        local = checkpoints.complete_tags(self.settings.checkpoint_dir)
         if not local or local[0] == self.uploaded:
             return
         tag = local[0]
         manifest_key = self.key("checkpoints", tag, "parts", f"{self.settings.node}.json")
         if self.exists(manifest_key):  # put before this sidecar started (a restart, a restore from the bucket)
             self.uploaded = tag
-            self.status["uploaded_step"] = tags.step_of(tag)
+            self.status["uploaded_step"] = checkpoints.step_of(tag)
             return
-        started, sent = time.monotonic(), 0
-        try:
-            root_fd = os.open(self.settings.checkpoint_dir / tag, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise TagChanged(f"{tag}: gone before its upload began") from None
-        try:
-            files = {}
-            for relpath, listed in tags.files_of(self.settings.checkpoint_dir / tag).items():
-                # Only regular files are listed (a link or a FIFO never is). One that is gone or no longer regular
-                # when its turn comes, or of another size, means the tag changed under the upload (a program's
-                # rotation deleted it, a retry rewrote it): that tag is never committed.
-                fd = open_under(root_fd, relpath)
-                if fd is None:
-                    raise TagChanged(f"{tag}: {relpath} went away while it was uploading")
-                with os.fdopen(fd, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size != listed:
-                        raise TagChanged(f"{tag}: {relpath} changed size while it was uploading ({listed} -> "
-                                         f"{size} bytes)")
-                    self.store.put_object(self.settings.bucket, self.key("checkpoints", tag, "parts",
-                                                                          str(self.settings.node), relpath),
-                                          f, length=size, part_size=PART_SIZE, num_parallel_uploads=PARALLEL)
-                files[relpath] = size
-                sent += size
-        finally:
-            os.close(root_fd)
-        latest = self.settings.checkpoint_dir / tags.LATEST
-        manifest = {"tag": tag, "step": tags.step_of(tag), "node": self.settings.node, "nodes": self.settings.nodes,
-                    "files": files, "latest_at_root": _read_small(latest) == tag}
+        started = time.monotonic()
+        files = {relpath: self.upload_file(tag, relpath, size)
+                 for relpath, size in checkpoints.files_of(self.settings.checkpoint_dir, tag).items()}
+        if not files and not self.settings.checkpoint_dir.is_dir(tag):
+            raise TagChanged(f"{tag}: gone before its upload began")
+        manifest = {"tag": tag, "step": checkpoints.step_of(tag), "node": self.settings.node,
+                    "nodes": self.settings.nodes, "files": files,
+                    "latest_at_root": checkpoints.latest(self.settings.checkpoint_dir) == tag}
         self.put_json(manifest_key, manifest)
-        seconds = time.monotonic() - started
+        seconds, sent = time.monotonic() - started, sum(files.values())
         self.uploaded = tag
-        self.status.update(uploaded_step=tags.step_of(tag), bytes=sent, seconds=round(seconds, 3),
+        self.status.update(uploaded_step=checkpoints.step_of(tag), bytes=sent, seconds=round(seconds, 3),
                            bytes_per_s=round(sent / seconds) if seconds > 0 else None)
         log(f"uploaded {tag} (node {self.settings.node}'s part: {len(files)} files, {sent / 1e6:.1f} MB in "
             f"{seconds:.1f}s)")
+
+    def upload_file(self, tag: str, relpath: str, listed: int) -> int:
+        """One file of the tag, streamed; its size checked before and after. A file that is gone, no longer regular,
+        or of another size means the tag changed under the upload (a rotation deleted it, a retry rewrote it): that
+        tag is never committed."""
+        stream = self.settings.checkpoint_dir.open_stream(f"{tag}/{relpath}")
+        if stream is None:
+            raise TagChanged(f"{tag}: {relpath} went away while it was uploading")
+        with stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size != listed:
+                raise TagChanged(f"{tag}: {relpath} changed size while it was uploading ({listed} -> {size} bytes)")
+            self.store.put_object(self.settings.bucket, self.key("checkpoints", tag, "parts", str(self.settings.node),
+                                                                  relpath),
+                                  stream, length=size, part_size=PART_SIZE, num_parallel_uploads=PARALLEL)
+            if os.fstat(stream.fileno()).st_size != size:
+                raise TagChanged(f"{tag}: {relpath} changed size while it was uploading")
+        return size
 
     def exists(self, key: str) -> bool:
         from minio.error import S3Error  # noqa: PLC0415
@@ -265,18 +234,29 @@ class Uploader:
             raise
 
     def put_json(self, key: str, value: dict) -> None:
-        import io  # noqa: PLC0415
-
         data = json.dumps(value, indent=1).encode()
         self.store.put_object(self.settings.bucket, key, io.BytesIO(data), length=len(data),
                               content_type="application/json")
 
+    def get_json(self, key: str) -> dict:
+        """A record of the bucket's (written by some pod's uploader: bounded, typed): {} if it is none."""
+        response = self.store.get_object(self.settings.bucket, key)
+        try:
+            value, _ = parse_json(response.read(checkpoints.MAX_COMMIT_BYTES + 1), checkpoints.MAX_COMMIT_BYTES)
+        finally:
+            response.close()
+            response.release_conn()
+        return value if isinstance(value, dict) else {}
+
     def bucket_tags(self) -> dict[str, dict]:
-        """Every tag under the release's checkpoints/: {tag: {"parts": set of nodes, "committed": bool}}."""
+        """Every tag under the release's checkpoints/ (names in the tag grammar only): {tag: {"parts": set of
+        nodes, "committed": bool}}."""
         found: dict[str, dict] = {}
         for item in self.store.list_objects(self.settings.bucket, prefix=self.key("checkpoints") + "/",
                                             recursive=True):
             rest = item.object_name[len(self.key("checkpoints")) + 1:].split("/")
+            if not checkpoints.is_tag_name(rest[0]):
+                continue
             entry = found.setdefault(rest[0], {"parts": set(), "committed": False})
             if rest[1:] == ["committed.json"]:
                 entry["committed"] = True
@@ -289,17 +269,17 @@ class Uploader:
         for tag, entry in found.items():
             if not entry["committed"] and entry["parts"] >= {str(n) for n in range(self.settings.nodes)}:
                 self.put_json(self.key("checkpoints", tag, "committed.json"), {
-                    "tag": tag, "step": tags.step_of(tag), "nodes": self.settings.nodes,
+                    "tag": tag, "step": checkpoints.step_of(tag), "nodes": self.settings.nodes,
                     "storage": "per-worker" if self.settings.per_worker else "shared", "time": time.time()})
                 entry["committed"] = True
                 log(f"committed {tag} in the bucket ({self.settings.nodes} part(s))")
-        committed = sorted((t for t, e in found.items() if e["committed"]), key=_order, reverse=True)
-        self.status["committed_step"] = tags.step_of(committed[0]) if committed else None
+        committed = sorted((t for t, e in found.items() if e["committed"]), key=checkpoints.order, reverse=True)
+        self.status["committed_step"] = checkpoints.step_of(committed[0]) if committed else None
         if not committed:
             return
-        newest = _order(committed[0])
+        newest = checkpoints.order(committed[0])
         doomed = [t for t in found if (found[t]["committed"] and t not in committed[:self.settings.keep])
-                  or (not found[t]["committed"] and _order(t) < newest)]
+                  or (not found[t]["committed"] and checkpoints.order(t) < newest)]
         for tag in doomed:
             self.delete_prefix(self.key("checkpoints", tag) + "/")
             log(f"removed {tag} from the bucket (keeping the newest {self.settings.keep} committed)")
@@ -314,35 +294,22 @@ class Uploader:
 
     def upload_records(self) -> None:
         """The job's records this pod keeps, mirrored on change: the ledger (its owner's), goodput (node 0's)."""
-        for kind, local in self.record_dirs():
-            for relpath, size in tags.files_of(local).items():
-                try:
-                    mtime = (local / relpath).stat(follow_symlinks=False).st_mtime_ns
-                except OSError:
-                    continue
+        for kind, local in self.record_trees():
+            for relpath, info in local.files().items():
                 key = self.key("job", kind, relpath)
-                if self.records.get(key) == (size, mtime):
+                if self.records.get(key) == (info.st_size, info.st_mtime_ns):
                     continue
-                root_fd = os.open(local, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-                try:
-                    fd = open_under(root_fd, relpath)
-                finally:
-                    os.close(root_fd)
-                if fd is None:
+                stream = local.open_stream(relpath)
+                if stream is None:
                     continue
-                with os.fdopen(fd, "rb") as f:
-                    length = os.fstat(f.fileno()).st_size
-                    self.store.put_object(self.settings.bucket, key, f, length=length)
-                self.records[key] = (size, mtime)
+                with stream:
+                    self.store.put_object(self.settings.bucket, key, stream,
+                                          length=os.fstat(stream.fileno()).st_size)
+                self.records[key] = (info.st_size, info.st_mtime_ns)
 
-    def record_dirs(self) -> list[tuple[str, Path]]:
-        dirs = []
-        if self.settings.attempts_dir and self.settings.attempts_dir.is_dir():
-            dirs.append((podstate.ATTEMPTS, self.settings.attempts_dir))
-        goodput = self.settings.checkpoint_dir / podstate.JOB_DIR / podstate.GOODPUT
-        if self.settings.commits() and goodput.is_dir():
-            dirs.append((podstate.GOODPUT, goodput))
-        return dirs
+    def record_trees(self) -> list[tuple[str, Tree]]:
+        trees = [(protocol.ATTEMPTS, self.settings.attempts), (protocol.GOODPUT, self.settings.goodput())]
+        return [(kind, tree) for kind, tree in trees if tree is not None and tree.is_dir()]
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -350,33 +317,20 @@ class Uploader:
             stop.wait(POLL_S)
 
 
-def _order(tag: str) -> tuple[int, str]:
-    return tags.step_of(tag) or -1, tag
-
-
-def _read_small(path: Path) -> str:
-    try:
-        return path.read_text()[:256].strip()
-    except OSError:
-        return ""
-
-
-def _safe(relpath: str) -> bool:
-    return bool(_SAFE_PATH.match(relpath))
-
-
-def download(store, settings: Settings, prefix: str, target: Path) -> int:
-    """Every object under prefix into target (relative paths checked: nothing lands outside it); bytes."""
+def download(store, settings: Settings, prefix: str, target: Tree, under: str) -> int:
+    """Every object under `prefix` into target/under (each relative path checked component by component: nothing
+    lands outside it, nothing is written through a link); bytes."""
     total = 0
     for item in store.list_objects(settings.bucket, prefix=prefix, recursive=True):
         relpath = item.object_name[len(prefix):]
-        if not _safe(relpath):
+        if not parts_of(relpath):
             raise StoreError(f"object {item.object_name!r}: not a path below {prefix}")
-        path = target / relpath
-        path.parent.mkdir(parents=True, exist_ok=True)
+        out = target.create(f"{under}/{relpath}")
+        if out is None:
+            raise StoreError(f"{target.path(under)}/{relpath}: cannot be written (a file or link already there?)")
         response = store.get_object(settings.bucket, item.object_name)
         try:
-            with open(path, "xb") as out:
+            with out:
                 for chunk in response.stream(CHUNK):
                     out.write(chunk)
                     total += len(chunk)
@@ -388,100 +342,101 @@ def download(store, settings: Settings, prefix: str, target: Path) -> int:
     return total
 
 
+def restore_parts(store, settings: Settings, uploader: Uploader, tag: str, nodes: int,
+                  staging: str) -> tuple[int, bool]:
+    """The tag's parts this pod keeps into `staging` (a shared claim: every part, node 0's last, whose files win where
+    parts share a name: the model states every worker wrote; per-worker volumes: its own): (bytes, whether its
+    writer had `latest` at the root)."""
+    volume = settings.checkpoint_dir
+    total, latest_at_root, manifests = 0, False, []
+    for node in [settings.node] if settings.per_worker else sorted(range(nodes), reverse=True):
+        part = uploader.get_json(uploader.key("checkpoints", tag, "parts", f"{node}.json"))
+        latest_at_root = latest_at_root or part.get("latest_at_root") is True
+        part_dir = f"{staging}.{node}"
+        volume.remove(part_dir)
+        total += download(store, settings, uploader.key("checkpoints", tag, "parts", str(node)) + "/", volume,
+                          part_dir)
+        manifest = volume.read_json(f"{part_dir}/{checkpoints.COMMIT_FILE}", checkpoints.MAX_COMMIT_BYTES)
+        if manifest and isinstance(manifest.get("files"), dict):
+            manifests.append(manifest)
+        for relpath in volume.files(part_dir):
+            if not volume.rename(f"{part_dir}/{relpath}", f"{staging}/{relpath}"):
+                raise StoreError(f"{volume.path(staging)}/{relpath}: cannot be written")
+        volume.remove(part_dir)
+    if len(manifests) > 1:  # the train package's parts, committed one per volume: one commit for the whole tag
+        volume.write(f"{staging}/{checkpoints.COMMIT_FILE}", json.dumps(checkpoints.merge_commits(manifests), indent=1))
+    return total, latest_at_root
+
+
 def restore_checkpoint(store, settings: Settings) -> str:
     """The newest committed tag where this volume holds none as new (what this pod keeps of it); what was done."""
     if not settings.uploads_checkpoints():
         return "a shared claim: node 0 restores"
     uploader = Uploader(settings, store)
     found = uploader.bucket_tags()
-    committed = sorted((t for t, e in found.items() if e["committed"]), key=_order, reverse=True)
+    committed = sorted((t for t, e in found.items() if e["committed"]), key=checkpoints.order, reverse=True)
     if not committed:
         return "no committed checkpoint in the bucket"
-    tag = committed[0]
-    local = tags.complete_tags(settings.checkpoint_dir)
-    if local and _order(local[0]) >= _order(tag):
-        return f"{settings.checkpoint_dir / local[0]} is as new as the bucket's newest ({tag}): nothing to restore"
-    record = json.loads(store.get_object(settings.bucket, uploader.key("checkpoints", tag, "committed.json")).read())
-    nodes = int(record.get("nodes", 1))
+    tag, volume = committed[0], settings.checkpoint_dir
+    local = checkpoints.complete_tags(volume)
+    if local and checkpoints.order(local[0]) >= checkpoints.order(tag):
+        return f"{volume.path(local[0])} is as new as the bucket's newest ({tag}): nothing to restore"
+    nodes = protocol.count(uploader.get_json(uploader.key("checkpoints", tag, "committed.json")).get("nodes"), 10**6)
+    nodes = nodes or 1
     if settings.node >= nodes and settings.per_worker:
         return f"{tag} was written by {nodes} workers: no part for node {settings.node}"
-    started = time.monotonic()
-    settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    staging = settings.checkpoint_dir / f"{RESTORING}{tag}"
-    shutil.rmtree(staging, ignore_errors=True)
-    total, latest_at_root, manifests = 0, False, []
-    # A shared claim gets every part in one directory, node 0's last (its files win where parts share a name:
-    # the model states every worker wrote); per-worker volumes get their own part.
-    parts = [settings.node] if settings.per_worker else sorted(range(nodes), reverse=True)
-    for node in parts:
-        part = json.loads(store.get_object(settings.bucket, uploader.key("checkpoints", tag, "parts",
-                                                                         f"{node}.json")).read())
-        latest_at_root = latest_at_root or bool(part.get("latest_at_root"))
-        part_dir = staging.with_name(f"{staging.name}.{node}")
-        shutil.rmtree(part_dir, ignore_errors=True)
-        total += download(store, settings, uploader.key("checkpoints", tag, "parts", str(node)) + "/", part_dir)
-        manifest = tags.read_small(part_dir / tags.COMMIT_FILE)
-        if manifest:
-            manifests.append(json.loads(manifest))
-        for relpath in tags.files_of(part_dir):
-            (staging / relpath).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(part_dir / relpath, staging / relpath)
-        shutil.rmtree(part_dir, ignore_errors=True)
-    if len(manifests) > 1:  # the train package's parts, committed one per volume: one commit for the whole tag
-        (staging / tags.COMMIT_FILE).write_text(json.dumps(tags.merge_commits(manifests), indent=1))
-    target = settings.checkpoint_dir / tag
-    if target.exists():
-        shutil.rmtree(target)  # an incomplete local copy of it
-    os.replace(staging, target)
-    if latest_at_root or tags.TAG_PATTERN.match(tag):
-        tmp = settings.checkpoint_dir / f".{tags.LATEST}.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, settings.checkpoint_dir / tags.LATEST)
-    seconds = time.monotonic() - started
-    which = f"node {settings.node}'s part" if settings.per_worker else f"{len(parts)} part(s)"
-    return f"restored {tag} from the bucket into {target} ({which}, {total / 1e6:.1f} MB in {seconds:.1f}s)"
+    started, staging = time.monotonic(), f"{RESTORING}{tag}"
+    if not volume.mkdir() or not volume.remove(staging):
+        raise StoreError(f"{volume.path()}: cannot be written")
+    total, latest_at_root = restore_parts(store, settings, uploader, tag, nodes, staging)
+    if not volume.remove(tag) or not volume.rename(staging, tag):  # an incomplete local copy of it goes
+        raise StoreError(f"{volume.path(tag)}: cannot be put in place")
+    if (latest_at_root or checkpoints.TAG_PATTERN.match(tag)) and not volume.write(checkpoints.LATEST, tag):
+        raise StoreError(f"{volume.path(checkpoints.LATEST)}: cannot be written")
+    which = f"node {settings.node}'s part" if settings.per_worker else f"{nodes} part(s)"
+    return (f"restored {tag} from the bucket into {volume.path(tag)} ({which}, {total / 1e6:.1f} MB in "
+            f"{time.monotonic() - started:.1f}s)")
 
 
 def restore_records(store, settings: Settings) -> list[str]:
     """The job's records this pod keeps, where it has none yet (a new pod, a new volume): the failure budget and the
     goodput history survive the loss of every pod and volume."""
     done = []
-    for kind, local in ((podstate.ATTEMPTS, settings.attempts_dir),
-                        (podstate.GOODPUT, settings.checkpoint_dir / podstate.JOB_DIR / podstate.GOODPUT
-                         if settings.commits() else None)):
-        if local is None or (local.is_dir() and any(local.iterdir())):
+    for kind, local in ((protocol.ATTEMPTS, settings.attempts), (protocol.GOODPUT, settings.goodput())):
+        if local is None or local.names():
             continue
         prefix = settings.prefix + f"job/{kind}/"
         if next(iter(store.list_objects(settings.bucket, prefix=prefix)), None) is None:
             continue
-        staging = local.parent / f"{RESTORING}{kind}"
-        shutil.rmtree(staging, ignore_errors=True)
-        count = download(store, settings, prefix, staging)
-        shutil.rmtree(local, ignore_errors=True)
-        os.replace(staging, local)
+        parent, name = Tree(local.root.parent, log), local.root.name
+        staging = f"{RESTORING}{name}"
+        if not parent.mkdir() or not parent.remove(staging):
+            raise StoreError(f"{parent.path()}: cannot be written")
+        count = download(store, settings, prefix, parent, staging)
+        if not parent.remove(name) or not parent.rename(staging, name):
+            raise StoreError(f"{local.path()}: cannot be put in place")
         done.append(f"the job's {kind} records ({count} bytes)")
     return done
 
 
 def main(argv: list[str]) -> int:
+    """`check`: the bucket answers with these credentials (exit 0), else one line naming the value (exit 1).
+    `restore`: the check, then the newest committed tag where this volume holds none as new, and the job's records
+    where the pod keeps them."""
     if not argv or argv[0] not in ("check", "restore"):
-        print(__doc__, file=sys.stderr)
+        print(main.__doc__, file=sys.stderr)
         return 2
     settings = Settings()
     try:
         store = client(settings)
         check(store, settings)
         if argv[0] == "check":
-            print(f"objectstore: {settings.bucket} at {settings.endpoint} answers for {settings.prefix}")
+            said(f"{settings.bucket} at {settings.endpoint} answers for {settings.prefix}")
             return 0
-        print(f"objectstore: {restore_checkpoint(store, settings)}", flush=True)
+        said(restore_checkpoint(store, settings))
         for what in restore_records(store, settings):
-            print(f"objectstore: restored {what}", flush=True)
+            said(f"restored {what}")
     except StoreError as err:
-        print(f"objectstore: {err}", file=sys.stderr, flush=True)
+        log(str(err))
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

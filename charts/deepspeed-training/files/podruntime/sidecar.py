@@ -1,11 +1,11 @@
-"""The sidecar of every pod of the release (both launch modes): where a run stands, for `kubectl get` and for
+"""The progress sidecar of every pod of the release (both launch modes): where a run stands, for `kubectl get` and for
 Prometheus, and the scale-down after success. It runs no tenant code (the platform's image, progress.image), and it
 is the only container that holds a token: the release's own ServiceAccount's, whose Roles can get and patch one
 ConfigMap, <release>-progress, and scale the release's worker StatefulSet (ssh mode), nothing else.
 
-It reads what its own pod knows, in the state directory (train/podstate.py: the protocol, its table of files),
-through podstate.StateDir (no symlink followed, regular files only, bounded reads): the tenant's containers write
-there, so everything in it is untrusted data, typed, bounded and cleaned before it is published.
+It reads what its own pod knows, in the state directory (protocol.py: its table of files), through tenantfiles.Tree
+(no link followed, regular files only, bounded reads): the tenant's containers write there, so everything in it is
+untrusted data, typed, bounded and cleaned before it is published.
 
 One writer per key of the ConfigMap, each at most every PATCH_EVERY_S and only on a change, so that the API load
 does not grow with the workers:
@@ -25,22 +25,21 @@ With --scale-down NAME (the launcher pod of launchMode ssh, launcher.scaleDownWo
 says the job is done it scales the StatefulSet NAME to 0, so that finished workers free their GPUs: within a second
 of the verdict, or at the latest on the SIGTERM the kubelet sends this native sidecar when the launcher has exited.
 
-Usage: sidecar.py [--configmap NAME] [--progress] [--job] [--metrics-port PORT] [--scale-down STATEFULSET]
-                  [--world-size N] [--ranks-per-pod N]        (runs until SIGTERM, then publishes once more)
+Usage: python3 -I <scripts> sidecar [--configmap NAME] [--progress] [--job] [--metrics-port PORT]
+       [--scale-down STATEFULSET] [--world-size N] [--ranks-per-pod N]   (runs until SIGTERM, then publishes once more)
 """
 
 import argparse
 import json
 import os
 import signal
-import socket
-import sys
+import threading
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "generated"))  # the chart's copy of train/podstate.py
-import podstate  # noqa: E402
+from podruntime import causes, host, protocol
+from podruntime.tenantfiles import Tree
+from podruntime.text import Log, clean, duration
 
 POLL_S = 1.0
 PATCH_EVERY_S = 2.0  # each writer patches at most this often (a change of the job's state: at once)
@@ -58,34 +57,27 @@ COUNTERS = {"attempt": "attempt", "failures": "failuresUsed", "failure_budget": 
             "preemptions": "preemptions"}
 
 
-def log(message: str) -> None:
-    print(f"sidecar: {socket.gethostname()}: {podstate.clean(message, 2000)}", flush=True)
-
-
-def format_eta(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
+log = Log(f"sidecar: {host.hostname()}")
 
 
 def progress_fields(progress: dict) -> dict[str, str]:
     """The ConfigMap's keys for rank 0's progress (PROGRESS_KEYS; absent ones left out)."""
     out = {}
-    if progress.get("state") in podstate.JOB_STATES:
+    if progress.get("state") in protocol.JOB_STATES:
         out["progressState"] = progress["state"]
     for key, (name, form) in NUMBERS.items():
-        if (value := podstate.number(progress.get(key))) is not None and abs(value) < 1e15:
+        if (value := protocol.number(progress.get(key))) is not None and abs(value) < 1e15:
             out[name] = form.format(value)
     if progress.get("loss") in ("nan", "inf", "-inf"):  # rankstate publishes a non-finite loss as its name
         out["loss"] = progress["loss"]
-    if (eta := podstate.number(progress.get("eta_s"))) is not None and 0 <= eta < 1e9:
-        out["eta"] = format_eta(eta)
-    step, steps = podstate.number(progress.get("step")), podstate.number(progress.get("steps"))
+    if (eta := protocol.number(progress.get("eta_s"))) is not None and 0 <= eta < 1e9:
+        out["eta"] = duration(eta, "clock")
+    step, steps = protocol.number(progress.get("step")), protocol.number(progress.get("steps"))
     if step is not None and steps and 0 <= step <= 1e15:
         out["percent"] = f"{100 * step / steps:.1f}"
     if isinstance(progress.get("goodput_line"), str):  # train/goodput.py's split of the job's wall time
-        out["goodput"] = podstate.clean(progress["goodput_line"])
-    if (written := podstate.number(progress.get("time"))) is not None:
+        out["goodput"] = clean(progress["goodput_line"])
+    if (written := protocol.number(progress.get("time"))) is not None:
         out["progressTime"] = f"{written:.3f}"
     return out
 
@@ -95,7 +87,7 @@ def upload_fields(status: dict | None) -> dict[str, str]:
     committed there and how many steps the newest local checkpoint is ahead of it."""
     out = {}
     for key, name in (("committed_step", "bucketStep"), ("lag_steps", "uploadLagSteps")):
-        if status and (value := podstate.number(status.get(key))) is not None and 0 <= value < 1e15:
+        if status and (value := protocol.number(status.get(key))) is not None and 0 <= value < 1e15:
             out[name] = f"{value:.0f}"
     return out
 
@@ -103,25 +95,25 @@ def upload_fields(status: dict | None) -> dict[str, str]:
 def job_fields(verdict: dict, rank0: dict[str, str]) -> dict[str, str]:
     """The ConfigMap's keys for the job (JOB_KEYS but updated and summary): the ledger's verdict, its state
     refined by rank 0's while an attempt runs (rank 0's report is newer than the attempt's start)."""
-    out = {"state": verdict["state"] if verdict.get("state") in podstate.LEDGER_STATES else "pending"}
-    rank0_state, rank0_time = rank0.get("progressState"), podstate.number(rank0.get("progressTime"))
-    started = podstate.number(verdict.get("time")) or 0.0
-    if out["state"] == "starting" and rank0_state in podstate.STATES and rank0_time is not None \
+    out = {"state": verdict["state"] if verdict.get("state") in protocol.LEDGER_STATES else "pending"}
+    rank0_state, rank0_time = rank0.get("progressState"), protocol.number(rank0.get("progressTime"))
+    started = protocol.number(verdict.get("time")) or 0.0
+    if out["state"] == "starting" and rank0_state in protocol.STATES and rank0_time is not None \
             and rank0_time >= started:
         out["state"] = rank0_state
-    if verdict.get("cause") in podstate.CAUSES:
+    if verdict.get("cause") in causes.CAUSES:
         out["cause"] = verdict["cause"]
     if isinstance(verdict.get("reason"), str) and verdict["reason"]:
-        out["reason"] = podstate.clean(verdict["reason"], 1000)
+        out["reason"] = clean(verdict["reason"], 1000)
     if (entries := history_entries(verdict.get("history"))):
         out["history"] = history_line(entries)
         out["attempts"] = json.dumps(entries, separators=(",", ":"))  # for `make why`: typed, bounded
     if isinstance(verdict.get("culprit"), str) and verdict["culprit"]:
-        out["culprit"] = podstate.clean(verdict["culprit"], 300)
+        out["culprit"] = clean(verdict["culprit"], 300)
     for key, name in COUNTERS.items():
-        if (value := podstate.number(verdict.get(key))) is not None and 0 <= value < 1e9:
+        if (value := protocol.number(verdict.get(key))) is not None and 0 <= value < 1e9:
             out[name] = f"{value:.0f}"
-    if isinstance(verdict.get("run"), str) and podstate.parse_run_id(verdict["run"]):
+    if isinstance(verdict.get("run"), str) and protocol.parse_run_id(verdict["run"]):
         out["run"] = verdict["run"]
     return out
 
@@ -132,18 +124,18 @@ def history_entries(entries) -> list[dict]:
     if not isinstance(entries, list):
         return []
     out = []
-    for entry in entries[-podstate.HISTORY:]:
-        if not isinstance(entry, dict) or entry.get("cause") not in podstate.CAUSES:
+    for entry in entries[-protocol.HISTORY:]:
+        if not isinstance(entry, dict) or entry.get("cause") not in causes.CAUSES:
             continue
-        attempt = podstate.number(entry.get("attempt"))
+        attempt = protocol.number(entry.get("attempt"))
         if attempt is None or not 0 < attempt < 1e9:
             continue
         checked = {"attempt": int(attempt), "cause": entry["cause"]}
         for key, top in (("step", 1e15), ("seconds", 1e9), ("ended", 1e11)):
-            if (value := podstate.number(entry.get(key))) is not None and 0 <= value < top:
+            if (value := protocol.number(entry.get(key))) is not None and 0 <= value < top:
                 checked[key] = int(value) if key == "step" else round(value, 1)
         if isinstance(entry.get("culprit"), str) and entry["culprit"]:
-            checked["culprit"] = podstate.clean(entry["culprit"], 300)
+            checked["culprit"] = clean(entry["culprit"], 300)
         out.append(checked)
     return out
 
@@ -153,10 +145,7 @@ def history_line(entries: list[dict]) -> str:
     parts = []
     for entry in entries:
         part = f"{entry['attempt']} {entry['cause']}" + (f" at step {entry['step']}" if "step" in entry else "")
-        if "seconds" in entry:
-            minutes, secs = divmod(int(entry["seconds"]), 60)
-            part += f" ({minutes}m{secs:02d}s)" if minutes else f" ({secs}s)"
-        parts.append(part)
+        parts.append(part + (f" ({duration(entry['seconds'])})" if "seconds" in entry else ""))
     return "; ".join(parts)
 
 
@@ -168,7 +157,7 @@ def summary(data: dict[str, str]) -> str:
                      + (f" ({data['percent']}%)" if "percent" in data else ""))
     if "loss" in data:
         parts.append(f"loss {data['loss']}")
-    if (tokens := podstate.number(data.get("tokensPerSecond"))) is not None:
+    if (tokens := protocol.number(data.get("tokensPerSecond"))) is not None:
         parts.append(f"{tokens:,.0f} tokens/s")
     parts += [f"{label} {data[key]}" for key, label in (("mfu", "mfu"), ("eta", "eta"),
                                                         ("checkpointStep", "checkpoint at step")) if key in data]
@@ -187,29 +176,28 @@ def summary(data: dict[str, str]) -> str:
 
 
 class Pod:
-    """This pod's state directory, read as podstate.StateDir reads it (the tenant writes there)."""
+    """This pod's state directory, read through tenantfiles.Tree (the tenant writes there)."""
 
-    def __init__(self, state_dir: Path, world_size: int, ranks_per_pod: int):
-        self.dir = podstate.StateDir(state_dir)
+    def __init__(self, state: Tree, world_size: int, ranks_per_pod: int):
+        self.dir = state
         self.world_size, self.ranks_per_pod = world_size, ranks_per_pod
 
     def record(self, name: str) -> dict | None:
-        found = self.dir.read_json(name)
-        return found[0] if found else None
+        return self.dir.read_json(name)
 
     def ranks(self) -> list[dict]:
         """This pod's ranks (their state lines: `<state> rank=R step=N step_s=S`) and heartbeat ages: at most
         ranks_per_pod of them, each rank below world_size, the newest heartbeat where two files claim one rank."""
         newest: dict[int, dict] = {}
-        for name in self.dir.names(podstate.RANK_FILE):
-            found = self.dir.read(name, podstate.MAX_LINE_BYTES)
+        for name in self.dir.names(pattern=protocol.RANK_FILE):
+            found = self.dir.read_with_mtime(name, protocol.MAX_LINE_BYTES)
             if not found:
                 continue
-            state, fields = podstate.rank_line(found[0].decode("utf-8", "replace"))
+            state, fields = protocol.rank_line(found[0].decode("utf-8", "replace"))
             rank = fields.get("rank", "")
             if not (rank.isdigit() and int(rank) < self.world_size):
                 continue
-            step, step_s = podstate.number(fields.get("step")), podstate.number(fields.get("step_s"))
+            step, step_s = protocol.number(fields.get("step")), protocol.number(fields.get("step_s"))
             entry = {"rank": str(int(rank)), "state": state,
                      "age": max(0.0, time.time() - found[1]), "mtime": found[1],
                      "step": step if step is not None and 0 <= step < 1e15 else None,
@@ -282,7 +270,7 @@ class ScaleDown:
         self.api, self.name, self.pod, self.done, self.last_error = api, name, pod, False, ""
 
     def pending(self) -> bool:
-        return not self.done and (self.pod.record(podstate.VERDICT) or {}).get("state") == "done"
+        return not self.done and (self.pod.record(protocol.VERDICT) or {}).get("state") == "done"
 
     def run(self) -> None:
         if not self.pending():
@@ -314,7 +302,7 @@ class Publisher:
     def step(self, final: bool = False) -> bool:
         """One look and the patches it calls for; False while something is left to write."""
         done = True
-        local = {**progress_fields(self.pod.record(podstate.PROGRESS) or {}),
+        local = {**progress_fields(self.pod.record(protocol.PROGRESS) or {}),
                  **upload_fields(self.uploads)} if self.progress else {}
         if self.progress_writer:
             done &= self.progress_writer.write(local, urgent=final)
@@ -324,7 +312,7 @@ class Publisher:
             elif final or time.monotonic() >= self.next_read:  # rank 0 is another pod's: read its keys back
                 self.rank0 = {k: v for k, v in self.job_writer.read().items() if k in PROGRESS_KEYS} or self.rank0
                 self.next_read = time.monotonic() + PATCH_EVERY_S
-            fields = job_fields(self.pod.record(podstate.VERDICT) or {}, self.rank0)
+            fields = job_fields(self.pod.record(protocol.VERDICT) or {}, self.rank0)
             fields["summary"] = summary({**self.rank0, **fields})
             written = self.job_writer.written
             if any(fields.get(k) != written.get(k) for k in JOB_KEYS if k != "updated"):
@@ -336,7 +324,7 @@ class Publisher:
 
 # Every metric a sidecar serves, the one list (docs/observability.md's table is generated from it): (name after
 # METRIC_, label, what it is, which pod serves it, the record's key). The label's values come from fixed sets
-# (podstate's goodput buckets and job states, ranks below --world-size); `release` comes from the pod's own labels.
+# (protocol's goodput buckets and job states, ranks below --world-size); `release` comes from the pod's own labels.
 METRICS = (
     ("step", "", "the last step rank 0 reported", "node rank 0", "step"),
     ("steps", "", "the steps the run trains for", "node rank 0", "steps"),
@@ -358,7 +346,7 @@ METRICS = (
     ("failure_budget", "", "failed attempts the job may retry", "the ledger's owner", "failure_budget"),
     ("preemptions", "", "attempts stopped by SIGTERM (not failures)", "the ledger's owner", "preemptions"),
     ("state", "state", "the job's state (1 for the current one)", "the ledger's owner", "state"),
-    ("attempts_ended", "cause", "the job's attempts that ended, by cause (podstate.CAUSES)", "the ledger's owner",
+    ("attempts_ended", "cause", "the job's attempts that ended, by cause (causes.CAUSES)", "the ledger's owner",
      "causes"),
     ("rank_step", "rank", "the last step this rank finished", "every worker", "step"),
     ("rank_step_seconds", "rank", "this rank's recent seconds per step", "every worker", "step_s"),
@@ -380,33 +368,33 @@ METRICS = (
 def samples(pod: Pod, progress: bool, job: bool, uploads: dict | None = None):
     """(name, label, doc, [(label value, value)]) of every metric this pod serves now; `uploads`: the object-store
     uploader's status (objectstore.Uploader.status), when the release has one."""
-    record = (pod.record(podstate.PROGRESS) or {}) if progress else {}
-    verdict = (pod.record(podstate.VERDICT) or {}) if job else {}
+    record = (pod.record(protocol.PROGRESS) or {}) if progress else {}
+    verdict = (pod.record(protocol.VERDICT) or {}) if job else {}
     ranks = pod.ranks()
     for name, label, doc, where, key in METRICS:
         if where == "node rank 0" and not progress or where == "the ledger's owner" and not job:
             continue
         if where == "with objectStore":
-            if uploads is not None and (value := podstate.number(uploads.get(key))) is not None:
+            if uploads is not None and (value := protocol.number(uploads.get(key))) is not None:
                 yield name, label, doc, [("", value)]
             continue
         if where == "every worker":
             values = [(r["rank"], r[key]) for r in ranks if r[key] is not None]
         elif name == "goodput_seconds":
             goodput = record.get(key) if isinstance(record.get(key), dict) else {}
-            values = [(bucket, v) for bucket in (*podstate.GOODPUT_BUCKETS, *podstate.GOODPUT_TOTALS)
-                      if (v := podstate.number(goodput.get(bucket))) is not None]
+            values = [(bucket, v) for bucket in (*protocol.GOODPUT_BUCKETS, *protocol.GOODPUT_TOTALS)
+                      if (v := protocol.number(goodput.get(bucket))) is not None]
         elif name == "progress_age_seconds":
-            published = podstate.number(record.get(key))
+            published = protocol.number(record.get(key))
             values = [("", max(0.0, time.time() - published))] if published is not None else []
         elif name == "attempts_ended":
-            causes = verdict.get(key) if isinstance(verdict.get(key), dict) else {}
-            values = [(cause, v) for cause in podstate.CAUSES
-                      if (v := podstate.number(causes.get(cause))) is not None and 0 <= v < 1e9]
+            counts = verdict.get(key) if isinstance(verdict.get(key), dict) else {}
+            values = [(cause, v) for cause in causes.CAUSES
+                      if (v := protocol.number(counts.get(cause))) is not None and 0 <= v < 1e9]
         elif name == "state":
             values = [(job_fields(verdict, progress_fields(record) if progress else {})["state"], 1)]
         else:
-            value = podstate.number((record if where == "node rank 0" else verdict).get(key))
+            value = protocol.number((record if where == "node rank 0" else verdict).get(key))
             values = [("", value)] if value is not None else []
         yield name, label, doc, values
 
@@ -441,7 +429,7 @@ def serve_metrics(pod: Pod, port: int, progress: bool, job: bool, uploads: dict 
 
 
 def write_job_id(pod: Pod, api: Api | None, configmap: str | None) -> None:
-    """The job's identity for the ledger (podstate.JOB_ID_FILE): the progress ConfigMap's uid, which Helm keeps
+    """The job's identity for the ledger (protocol.JOB_ID_FILE): the progress ConfigMap's uid, which Helm keeps
     across upgrades and a reinstall replaces; empty without API access (the ledger then keys by the Job's uid).
     Written before anything else: the pod's main container waits for it (the chart's startupProbe)."""
     uid = ""
@@ -452,20 +440,16 @@ def write_job_id(pod: Pod, api: Api | None, configmap: str | None) -> None:
                                                       _request_timeout=API_TIMEOUT).metadata.uid
         except Exception as err:  # noqa: BLE001 - the ledger falls back to the Job's uid
             log(f"no job identity from ConfigMap {configmap} ({type(err).__name__}): the ledger keys by the Job")
-    if not pod.dir.write(podstate.JOB_ID_FILE, f"{uid}\n"):
-        log(f"could not write {podstate.JOB_ID_FILE} in {pod.dir.path}")
+    if not pod.dir.write(protocol.JOB_ID_FILE, f"{uid}\n"):
+        log(f"could not write {protocol.JOB_ID_FILE} in {pod.dir.path()}")
 
 
 def start_uploads():
-    """With checkpoints.objectStore, this pod's uploads (files/objectstore.py) in a thread of their own: a slow or
-    absent store never holds the progress loop. The uploader (its status is what the metrics read); None without
-    one."""
+    """With checkpoints.objectStore, this pod's uploads (objectstore.py) in a thread of their own: a slow or absent
+    store never holds the progress loop. The uploader (its status is what the metrics read); None without one."""
     if not os.environ.get("DS_OBJECT_STORE_BUCKET"):
         return None
-    import threading  # noqa: PLC0415
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # python3 -I puts no script directory on the path
-    import objectstore  # noqa: PLC0415 - the chart's file beside this one
+    from podruntime import objectstore  # noqa: PLC0415 - only with a bucket: it imports the store's client
 
     try:
         uploader = objectstore.Uploader(objectstore.Settings())
@@ -489,8 +473,8 @@ def last_uploads(uploader) -> None:
     uploader.step()
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sidecar", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configmap", help="the progress ConfigMap to patch")
     parser.add_argument("--progress", action="store_true", help="this pod holds rank 0 (node rank 0)")
     parser.add_argument("--job", action="store_true", help="this pod holds the ledger (ssh: launcher; nossh: worker 0)")
@@ -498,32 +482,40 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--scale-down", metavar="STATEFULSET", help="scale it to 0 once the job is done")
     parser.add_argument("--world-size", type=int, default=1 << 20, help="ranks of the job (rank labels below it)")
     parser.add_argument("--ranks-per-pod", type=int, default=64, help="the most rank series this pod serves")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def connect(args, progress: bool, job: bool) -> "Api | None":
+    """The API, when this pod publishes or scales down; None (said once) without a token, a cluster or a client."""
+    wanted = [what for what in (args.configmap and (progress or job) and f"publishing to ConfigMap {args.configmap}",
+                                args.scale_down and f"scaling {args.scale_down} down") if what]
+    if not wanted:
+        return None
+    try:
+        api = Api(os.environ.get("POD_NAMESPACE", "default"))
+    except Exception as err:  # noqa: BLE001 - no token, no cluster, no client: the metrics still work
+        log(f"no API access: not {' nor '.join(wanted)}: {type(err).__name__}: {err}")
+        return None
+    log(", ".join(wanted) + (" once the job is done" if args.scale_down else ""))
+    return api
+
+
+def main(argv: list[str]) -> int:
+    args = arguments(argv)
     # A pod's role may hang on its index, which the pod learns at run time (the workers share one template).
     node_rank = os.environ.get("DS_NODE_RANK", "")
-    progress = args.progress and node_rank in ("", "0")
-    job = args.job and node_rank in ("", "0")
-    pod = Pod(Path(os.environ.get(podstate.STATE_DIR_ENV, "/tmp/deepspeed-ranks")), args.world_size,
+    progress, job = args.progress and node_rank in ("", "0"), args.job and node_rank in ("", "0")
+    pod = Pod(Tree(os.environ.get(protocol.STATE_DIR_ENV, "/tmp/deepspeed-ranks"), log), args.world_size,
               args.ranks_per_pod)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     uploader = start_uploads()
     if args.metrics_port:
         serve_metrics(pod, args.metrics_port, progress, job, uploader and uploader.status)
-    api = scale_down = None
-    wanted = [what for what in (args.configmap and (progress or job) and f"publishing to ConfigMap {args.configmap}",
-                                args.scale_down and f"scaling {args.scale_down} down") if what]
-    if wanted:
-        try:
-            api = Api(os.environ.get("POD_NAMESPACE", "default"))
-        except Exception as err:  # noqa: BLE001 - no token, no cluster, no client: the metrics still work
-            log(f"no API access: not {' nor '.join(wanted)}: {type(err).__name__}: {err}")
-        else:
-            log(", ".join(wanted) + (" once the job is done" if args.scale_down else ""))
+    api = connect(args, progress, job)
     write_job_id(pod, api, args.configmap)
     publisher = Publisher(pod, api, args.configmap or "", progress, job, uploader and uploader.status)
-    if api and args.scale_down:
-        scale_down = ScaleDown(api, args.scale_down, pod)
+    scale_down = ScaleDown(api, args.scale_down, pod) if api and args.scale_down else None
     final_tries = FINAL_TRIES
     while True:
         final = bool(stopping)
@@ -534,16 +526,12 @@ def main(argv: list[str]) -> int:
             scale_down.run()
         if final and uploader and not uploader.stop.is_set():
             last_uploads(uploader)
-        if final:
-            final_tries -= 1
-            if (done and not (scale_down and scale_down.pending())) or final_tries <= 0:
-                if api:
-                    log(f"stopping after {api.requests} API requests")
-                return 0
-            time.sleep(0.5)
+        if not final:
+            time.sleep(POLL_S)
             continue
-        time.sleep(POLL_S)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+        final_tries -= 1
+        if (done and not (scale_down and scale_down.pending())) or final_tries <= 0:
+            if api:
+                log(f"stopping after {api.requests} API requests")
+            return 0
+        time.sleep(0.5)

@@ -1,0 +1,262 @@
+"""The attempt loop's channel between the hosts and the ledger's owner, open for the whole job, attempts included, on
+the channel port (DS_CHANNEL_PORT, deepspeed.masterPort + 1): JSON lines, each one message (`{"v":
+protocol.VERSION, "m": kind, ...}`, at most LINE_BYTES), typed on arrival (decode).
+
+nossh: worker 0 serves a Hub; every other worker's loop keeps a Spoke connected to it (and connects again when it
+drops). Messages:
+  spoke -> hub   join {index, evidence?}   I am here, ready for the next attempt (with my evidence of the last one
+                                           when the hub may not have it: a new connection)
+                 end {index, evidence}     my run of the attempt ended: my evidence of it
+                 stopping {index, host}    my pod got SIGTERM: the attempt is a preemption (before my ranks stop)
+  hub -> spoke   go {env}                  the attempt begins: its env for every rank
+                 stop {cause}              a stop rule ends the job
+ssh: every worker's agent serves a Listener; the launcher keeps a Spoke connected to each (index: the worker's), and
+the agent sends `stopping` over it when its pod gets SIGTERM, before its ranks stop. The ranks' own processes start
+and end with each attempt; the channel does not.
+"""
+
+import json
+import queue
+import selectors
+import socket
+import threading
+import time
+
+from podruntime import protocol
+from podruntime.tenantfiles import parse_json
+from podruntime.text import clean, complete_lines
+
+LINE_BYTES = 192 * 1024  # a message: an evidence record (64 KiB of hang report, 64 end records) and its envelope
+RETRY_S = 0.25  # a refused connection costs nothing: the spoke tries again at once
+KINDS = {"join", "end", "stopping", "go", "stop"}
+
+
+def encode(kind: str, **fields) -> bytes:
+    return (json.dumps({"v": protocol.VERSION, "m": kind, **fields}, separators=(",", ":")) + "\n").encode()
+
+
+def decode(line: bytes | str) -> dict | None:
+    """A message, typed: its kind known, its index a number, its evidence valid (else dropped); None if none."""
+    value, why = parse_json(line, LINE_BYTES)
+    if why or not isinstance(value, dict) or value.get("v") != protocol.VERSION or value.get("m") not in KINDS:
+        return None
+    message = {"m": value["m"], "index": protocol.count(value.get("index"), 1 << 20), "host": clean(
+        value.get("host", ""), 253), "run": clean(value.get("run", ""), 64)}
+    if "evidence" in value:
+        message["evidence"] = protocol.valid_host_evidence(value["evidence"])
+    if isinstance(value.get("env"), dict):
+        message["env"] = {str(k): str(v) for k, v in value["env"].items()}
+    if value.get("cause") is not None:
+        message["cause"] = clean(value["cause"], 64)
+    return message
+
+
+class Hub:
+    """Worker 0's end: accepts the workers, reads their messages into `inbox` ((index, message); a lost
+    connection is (index, {"m": "gone"})), and sends to them. A thread of its own, on the system's selector (epoll:
+    thousands of workers, where select() stops at 1,024 descriptors)."""
+
+    def __init__(self, port: int, expected: set[int]):
+        self.expected = expected
+        self.inbox: queue.Queue = queue.Queue()
+        self.connections: dict[int, socket.socket] = {}  # index -> its connection (any thread, under the lock)
+        self.peers: dict[socket.socket, list] = {}  # connection -> [index or None, unread bytes] (the hub's thread)
+        self.lock = threading.Lock()
+        self.server = listen(port)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.server, selectors.EVENT_READ)
+        threading.Thread(target=self.serve, name="hub", daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.selector.select(0.5):
+                if key.fileobj is not self.server:
+                    self.receive(key.fileobj)
+                    continue
+                try:
+                    conn, _ = self.server.accept()
+                except OSError:
+                    continue
+                self.peers[conn] = [None, b""]
+                self.selector.register(conn, selectors.EVENT_READ)
+
+    def receive(self, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        peer = self.peers[sock]
+        lines, rest = complete_lines(peer[1] + data)
+        if not data or len(rest) > LINE_BYTES:
+            self.drop(sock)
+            return
+        for line in lines:
+            message = decode(line)
+            if message is None:
+                continue
+            if peer[0] is None:  # the first message of a connection names the worker
+                if message["m"] != "join" or message["index"] not in self.expected:
+                    self.drop(sock)
+                    return
+                self.adopt(sock, message["index"])
+            self.inbox.put((peer[0], message))
+        peer[1] = rest
+
+    def adopt(self, sock: socket.socket, index: int) -> None:
+        self.peers[sock][0] = index
+        with self.lock:
+            old = self.connections.get(index)
+            self.connections[index] = sock
+        if old is not None and old is not sock:
+            self.drop(old)  # a reconnect of the same worker: its old connection says nothing more
+
+    def drop(self, sock: socket.socket) -> None:
+        self.selector.unregister(sock)
+        index = self.peers.pop(sock, [None])[0]
+        with self.lock:
+            if index is not None and self.connections.get(index) is sock:
+                del self.connections[index]
+                self.inbox.put((index, {"m": "gone", "index": index}))
+        sock.close()
+
+    def send(self, index: int, data: bytes) -> bool:
+        with self.lock:
+            conn = self.connections.get(index)
+        if conn is None:
+            return False
+        try:
+            conn.sendall(data)
+            return True
+        except OSError:
+            return False  # it left just now: its reconnect, or the run's rendezvous, will tell
+
+
+def listen(port: int) -> socket.socket:
+    """IPv4 and IPv6 where the pod has both, else IPv4 (SO_REUSEADDR: a restarted worker 0 listens again at once)."""
+    try:
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    except (OSError, ValueError):
+        return socket.create_server(("", port))
+
+
+class Spoke:
+    """One connection to a host's hub or listener (nossh: a worker's to worker 0; ssh: the launcher's to each
+    worker), made again when it drops; its messages in `inbox` (shared by several spokes: (index, message))."""
+
+    def __init__(self, index: int, host0: str, port: int, inbox: queue.Queue | None = None):
+        self.index, self.host0, self.port = index, host0, port
+        self.shared = inbox is not None
+        self.inbox: queue.Queue = inbox if inbox is not None else queue.Queue()
+        self.sock: socket.socket | None = None
+        self.reason = "not tried yet"
+
+    def connect(self, deadline: float, hello: bytes, stop: threading.Event | None = None) -> bool:
+        """Connected (or already), with `hello` sent first; False at the deadline (or once `stop` is set), `reason`
+        says why. It returns once connected, even if the connection is gone again by then: what came over it
+        (a `go`, then `gone`) is in the inbox for the caller, who would otherwise wait here for a host that has
+        already sent it everything and left."""
+        if self.sock is not None:
+            return True
+        while time.monotonic() < deadline and not (stop and stop.is_set()):
+            try:
+                sock = socket.create_connection((self.host0, self.port), timeout=2)
+                sock.settimeout(None)
+                sock.sendall(hello)
+            except OSError as err:
+                self.reason = err.strerror or str(err)
+                time.sleep(RETRY_S)
+                continue
+            self.sock = sock
+            threading.Thread(target=self.read, args=(sock,), name="spoke", daemon=True).start()
+            return True
+        return False
+
+    def read(self, sock: socket.socket) -> None:
+        buffer = b""
+        while True:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data or len(buffer) > LINE_BYTES:
+                break
+            *lines, buffer = (buffer + data).split(b"\n")
+            for line in lines:
+                message = decode(line)
+                if message is not None:
+                    self.put(message)
+        if self.sock is sock:
+            self.sock = None
+            self.reason = "the other end closed the connection"
+            self.put({"m": "gone"})
+        sock.close()
+
+    def put(self, message: dict) -> None:
+        self.inbox.put((self.index, message) if self.shared else message)
+
+    def send(self, data: bytes) -> bool:
+        sock = self.sock
+        if sock is None:
+            return False
+        try:
+            sock.sendall(data)
+            return True
+        except OSError:
+            return False
+
+
+class Listener:
+    """An ssh worker agent's end: accepts the launcher's connections (any that says `join`) and sends to all of them.
+    A thread of its own."""
+
+    def __init__(self, port: int):
+        self.server = listen(port)
+        self.connections: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self.serve, name="listener", daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.hold, args=(conn,), name="listener-peer", daemon=True).start()
+
+    def hold(self, conn: socket.socket) -> None:
+        """Keeps a connection once it said `join`, until it closes (what else it sends is not read)."""
+        first, joined = b"", False
+        try:
+            while b"\n" not in first and len(first) < LINE_BYTES:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                first += data
+            message = decode(first.split(b"\n", 1)[0])
+            if message is None or message["m"] != "join":
+                return
+            with self.lock:
+                self.connections.append(conn)
+                joined = True
+            while conn.recv(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            if joined:
+                with self.lock:
+                    self.connections.remove(conn)
+            conn.close()
+
+    def broadcast(self, data: bytes) -> int:
+        """`data` to every connection; how many took it."""
+        with self.lock:
+            connections = list(self.connections)
+        sent = 0
+        for conn in connections:
+            try:
+                conn.sendall(data)
+                sent += 1
+            except OSError:
+                pass
+        return sent

@@ -1,0 +1,217 @@
+"""launchMode nossh: one attempt loop per worker pod (an Indexed Job's), no sshd, no launcher pod.
+
+The hosts meet on worker 0, which owns the job's ledger and serves the channel's hub on the barrier port: every
+worker joins it, and worker 0 begins an attempt only when every worker is there between two runs (none with ranks of
+an earlier run still alive: a rank of a new attempt would otherwise join the rendezvous of a rank 0 still stuck in
+the failed one), then sends the attempt out (`go`, its env) or, when a stop rule ends the job, `stop`. Each worker
+then starts DeepSpeed's launcher for its own node rank (`--node_rank=<index>`). When a worker's run ends it sends
+its evidence of it (`end`); worker 0 decides why the attempt ended once every worker's evidence is in (or the wait
+runs out), then meets them again. A worker that gets SIGTERM says so over the channel (`stopping`) before it stops
+its ranks: the attempt is a preemption whichever worker was deleted.
+"""
+
+import json
+import os
+import re
+import threading
+import time
+
+from podruntime import channel, evidence, host, protocol, ranks
+from podruntime.causes import STOPPED
+from podruntime.ledger import Began, Ledger, Stopped
+from podruntime.loop import Child
+from podruntime.tenantfiles import Tree
+from podruntime.text import Log
+
+LOG_EVERY_S = 5
+
+
+class Worker:
+    """A nossh worker's side of the loop (Mode); worker 0 also owns the ledger and the hub."""
+
+    def __init__(self, index: int, hosts: list[str], port: int, timeout: float, command: list[str],
+                 ledger: Ledger | None, env=os.environ):
+        self.index, self.hosts, self.port, self.timeout = index, hosts, port, timeout
+        self.command = [command[0], f"--node_rank={index}", *command[1:]]
+        self.ledger, self.env = ledger, env
+        self.log, self.barrier_log = Log(f"worker {index}"), Log(f"barrier {index}")
+        self.child = Child()
+        self.stopped = threading.Event()  # SIGTERM: no meeting waits any longer
+        self.current: Began | None = None
+        self.last: dict | None = None  # this worker's evidence of its last run, until worker 0 has it
+        state = env.get(protocol.STATE_DIR_ENV)
+        self.state = Tree(state, self.log) if state else None
+        self.owner = index == 0
+        self.workers = set(range(1, len(hosts)))
+        self.hub = channel.Hub(port, self.workers) if self.owner else None
+        self.spoke = None if self.owner else channel.Spoke(index, hosts[0], port)
+        # The hub's view of the workers, kept by its dispatcher thread: who is ready for the next attempt (joined,
+        # or ended the last), who runs the current one, and their evidence of it.
+        self.changed = threading.Condition()
+        self.ready: set[int] = set()
+        self.running: set[int] = set()
+        self.found: dict[int, dict] = {}
+        if self.hub is not None:
+            threading.Thread(target=self.dispatch, name="dispatch", daemon=True).start()
+
+    # ---- worker 0: the hub's messages
+
+    def dispatch(self) -> None:
+        while True:
+            index, message = self.hub.inbox.get()
+            kind = message["m"]
+            if kind == "stopping":
+                self.preempted(message.get("host") or self.hosts[index])
+            with self.changed:
+                if kind in ("join", "end"):
+                    self.ready.add(index)
+                    self.take_evidence(index, message.get("evidence"))
+                elif kind == "gone":
+                    self.ready.discard(index)
+                    self.running.discard(index)
+                self.changed.notify_all()
+
+    def take_evidence(self, index: int, found: dict | None) -> None:
+        if found and self.current and found["run"] == self.current.env[protocol.ATTEMPT_ENV["run"]]:
+            self.found[index] = found
+            self.running.discard(index)
+
+    def preempted(self, who: str) -> None:
+        if self.current is not None and self.ledger.mark_stopped(self.current.number, who):
+            self.barrier_log(f"{who} got SIGTERM: attempt {self.current.number} is a preemption")
+            self.ledger.say("stopping", STOPPED)
+
+    def wait_until(self, done, deadline: float, waiting) -> bool:
+        """Waits (logging `waiting(left)` every LOG_EVERY_S) until done() under the lock; False at the deadline."""
+        next_log = time.monotonic() + LOG_EVERY_S
+        with self.changed:
+            while not done():
+                now = time.monotonic()
+                if now >= deadline or self.stopped.is_set():
+                    return False
+                if now >= next_log:
+                    waiting(deadline - now)
+                    next_log = now + LOG_EVERY_S
+                self.changed.wait(min(1.0, deadline - now))
+        return True
+
+    def meet_as_owner(self) -> Began | int:
+        deadline = time.monotonic() + self.timeout
+
+        def missing() -> list[int]:
+            return sorted(self.workers - self.ready)
+
+        def waiting(left: float) -> None:
+            shown = ", ".join(self.hosts[i].split(".")[0] for i in missing()[:5])
+            more = f" ... (+{len(missing()) - 5} more)" if len(missing()) > 5 else ""
+            self.barrier_log(f"{len(self.hosts) - len(missing())}/{len(self.hosts)} here; waiting for {shown}{more} "
+                             f"({left:.0f}s left)")
+
+        self.barrier_log(f"waiting up to {self.timeout:.0f}s for {len(self.workers)} workers on port {self.port}")
+        with self.changed:  # held from the last join to the last `go`: a worker lost meanwhile is waited for again
+            if not self.wait_until(lambda: not missing(), deadline, waiting):
+                self.barrier_log(f"ERROR: {len(missing())} of {len(self.hosts)} workers did not reach the start "
+                                 "barrier:")
+                for i in missing()[:20]:
+                    self.barrier_log(f"  {self.hosts[i]}")
+                return 1
+            began = self.ledger.begin()
+            ready, self.ready = self.ready, set()
+            if isinstance(began, Stopped):
+                for i in ready:
+                    self.hub.send(i, channel.encode("stop", cause=began.cause))
+                self.barrier_log(began.line)
+                return protocol.EXIT_NOT_RETRIED
+            self.current, self.found, self.running = began, {}, set(ready)
+            for i in ready:
+                self.hub.send(i, channel.encode("go", env=began.env))
+        Log("attempts")(began.line)
+        self.barrier_log(f"all {len(self.hosts)} workers are here: starting the run, {began.line}")
+        return began
+
+    def gather_as_owner(self, attempt: Began, status: int) -> list[dict]:
+        own = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env)
+
+        def waiting(left: float) -> None:
+            self.barrier_log(f"waiting {left:.0f}s more for the evidence of attempt {attempt.number} from workers "
+                             f"{', '.join(str(i) for i in sorted(self.running)[:10])}")
+
+        self.wait_until(lambda: not self.running, time.monotonic() + self.timeout, waiting)
+        with self.changed:
+            return [e for e in (own, *self.found.values()) if e]
+
+    # ---- every other worker
+
+    def meet_as_worker(self) -> Began | int:
+        deadline, next_log = time.monotonic() + self.timeout, time.monotonic() + LOG_EVERY_S
+        while time.monotonic() < deadline and not self.stopped.is_set():
+            if self.spoke.sock is None:
+                self.spoke.connect(deadline, channel.encode("join", index=self.index, evidence=self.last),
+                                   self.stopped)
+            try:
+                message = self.spoke.inbox.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing yet
+                message = {"m": "wait"}
+            if message["m"] == "stop":
+                cause = message.get("cause") or "a stop rule"
+                self.barrier_log(f"worker 0 says the job stops ({cause}: its log says why): failing the job")
+                return protocol.EXIT_NOT_RETRIED
+            env = attempt_env(message.get("env")) if message["m"] == "go" else None
+            if env is not None and env[protocol.ATTEMPT_ENV["attempt"]].isdigit():
+                self.last = None
+                self.current = Began(int(env[protocol.ATTEMPT_ENV["attempt"]]), env, "")
+                self.barrier_log("all workers are here: starting the run")
+                return self.current
+            if time.monotonic() >= next_log:
+                self.barrier_log(f"waiting for worker 0 ({self.hosts[0]}:{self.port}) to open the start barrier: "
+                                 f"{self.spoke.reason} ({deadline - time.monotonic():.0f}s left)")
+                next_log = time.monotonic() + LOG_EVERY_S
+        self.barrier_log(f"ERROR: no start barrier on worker 0 ({self.hosts[0]}:{self.port}) within the timeout: "
+                         f"{self.spoke.reason}")
+        return 1
+
+    # ---- the Mode
+
+    def meet(self) -> Began | int:
+        return self.meet_as_owner() if self.owner else self.meet_as_worker()
+
+    def run(self, attempt: Began) -> int:
+        run = attempt.env[protocol.ATTEMPT_ENV["run"]]
+        self.log(f"running ({run}): {' '.join(self.command)}")
+        return self.child.run(self.command, {**self.env, **attempt.env})
+
+    def gather(self, attempt: Began, status: int) -> list[dict]:
+        if self.owner:
+            return self.gather_as_owner(attempt, status)
+        self.last = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env)
+        if self.spoke.send(channel.encode("end", index=self.index, evidence=self.last)):
+            self.last = None
+        return []
+
+    def clear(self) -> None:
+        """Nothing to stop (DeepSpeed's launcher ends its ranks with it): the workers meet again."""
+        self.log("meeting the other workers at the start barrier: the run starts again if the job's failure budget "
+                 "allows")
+
+    def stop(self) -> None:
+        self.stopped.set()
+        with self.changed:
+            self.changed.notify_all()
+        run = self.current.env[protocol.ATTEMPT_ENV["run"]] if self.current else ""
+        if self.state is not None:
+            self.state.write(protocol.STOP_NOTICE, json.dumps({"run": run, "host": host.hostname(),
+                                                               "time": time.time()}))
+        if self.owner:
+            self.preempted(host.hostname())
+        elif self.spoke is not None:
+            self.spoke.send(channel.encode("stopping", index=self.index, host=host.hostname(), run=run))
+        ranks.stop_here(self.env, Log(f"worker {self.index}"))
+        self.child.terminate()
+
+
+
+def attempt_env(env) -> dict[str, str] | None:
+    """A `go` message's env: exactly the attempt's keys, values without shell or whitespace characters."""
+    if not isinstance(env, dict) or set(env) != set(protocol.ATTEMPT_ENV.values()):
+        return None
+    return env if all(re.fullmatch(r"[A-Za-z0-9_./-]{1,64}", v) for v in env.values()) else None

@@ -1,0 +1,344 @@
+"""launchMode ssh: one attempt loop, in the launcher pod, owns the job's ledger and drives passive workers over SSH
+(each worker pod runs a non-root sshd and this module's agent, `ssh-worker`).
+
+Meeting: every worker in the hostfile resolves, accepts an SSH login and runs the current worker template (its
+DS_WORKER_TEMPLATE equals the launcher's: during a rollout, pods of the previous revision still answer, and pdsh
+would start ranks on a pod about to be replaced), and is cleared of ranks an earlier attempt left, in the same SSH
+session (one round trip per worker, at most DS_WAIT_PARALLEL at a time); or the meeting fails at the deadline naming
+the workers still missing. Run: DeepSpeed's runner over pdsh (its ranks get the attempt's env through
+~/.deepspeed_env). The channel: the launcher keeps a connection to every worker's agent (channel.Listener on the
+channel port), over which a worker that gets SIGTERM says so before its ranks stop. Evidence: one pdsh round after a
+failed run. A stop: the ranks on every worker get SIGTERM (ranks.py: they agree on a step, save it and exit) while the
+run's own pdsh still relays their last lines; DeepSpeed's runner, signalled first, would cut pdsh off and the stop's
+step and checkpoint would go unseen.
+"""
+
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from podruntime import channel, evidence, host, protocol, ranks
+from podruntime.causes import STOPPED
+from podruntime.ledger import Began, Ledger, Stopped
+from podruntime.loop import Child, hosts_of
+from podruntime.tenantfiles import Tree
+from podruntime.text import Log, lines
+from podruntime.watchdog import Watchdog
+
+SCRIPTS = host.runnable_dir() or "/etc/deepspeed/scripts"
+POD_PROGRAM = ["python3", "-I", SCRIPTS]  # a pod program, as a worker's shell runs it
+# The rank stopper on a worker, where it has ranks (usually none: one pgrep says so, no interpreter starts). The
+# brackets keep pgrep from finding this very command line.
+STOP_RANKS = (f"pgrep -u \"$(id -u)\" -f -- '{ranks.LAUNCHER.replace('.', '[.]')}|[-]-local_rank=' > /dev/null && "
+              f"{' '.join(POD_PROGRAM)} stop-ranks")
+LOG_EVERY_S = 10
+FIRST_PAUSES = (0.1, 0.25, 0.5)  # the first rounds come sooner: pods that are starting answer within a second
+EVIDENCE_S = 120  # one pdsh round for every worker's evidence of a failed run
+EVIDENCE_AFTER_STOP_S = 10
+
+
+def pdsh_env(env=os.environ) -> dict[str, str]:
+    """pdsh's ssh reads our config (port, key, known_hosts) whatever the passwd home says."""
+    return {**env, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {env.get('HOME', '')}/.ssh/config"}
+
+
+def pdsh(hosts: list[str], command: list[str], env=os.environ, **popen) -> subprocess.CompletedProcess:
+    """`command` on every host at once (pdsh pastes it into one remote shell line: our own words only); its output
+    as pdsh gives it, `host: line`."""
+    return subprocess.run(["pdsh", "-S", "-f", str(max(1, len(hosts))), "-w", ",".join(hosts), *command],
+                          env=pdsh_env(env), capture_output=True, text=True, errors="replace", **popen)
+
+
+class Meeting:
+    """The launcher's wait for its workers (see the module's docstring)."""
+
+    def __init__(self, hosts: list[str], timeout: float, interval: float, then: str, env=os.environ,
+                 stop: threading.Event | None = None):
+        self.hosts, self.timeout, self.interval, self.then = hosts, timeout, interval, then
+        self.stop = stop or threading.Event()  # set: the meeting ends at once (a SIGTERM)
+        self.template = env.get("DS_WORKER_TEMPLATE", "")
+        self.parallel = int(env.get("DS_WAIT_PARALLEL", "32") or 32)
+        self.home = env.get("HOME", "")
+        self.log = Log("wait-for-workers")
+
+    def remote(self) -> str:
+        command = 'echo "template=$DS_WORKER_TEMPLATE"'
+        if self.then and self.template:
+            command += f'; if [ "$DS_WORKER_TEMPLATE" = {shlex.quote(self.template)} ]; then {self.then} || true; fi'
+        elif self.then:
+            command += f"; {self.then} || true"
+        return command
+
+    def check(self, name: str) -> tuple[str, str]:
+        """(why the host is not ready, "" when it is; what the clean-up said there)."""
+        try:
+            done = subprocess.run(["ssh", "-F", f"{self.home}/.ssh/config", "-n", "-o", "ConnectTimeout=5", name,
+                                   self.remote()], capture_output=True, text=True, errors="replace", timeout=120)
+        except subprocess.TimeoutExpired:
+            return "SSH failed: no answer within 120s", ""
+        out = (done.stdout + done.stderr).strip("\n") if done.returncode else done.stdout.strip("\n")
+        if done.returncode != 0:
+            return ("no DNS record" if "Could not resolve hostname" in out else
+                    f"SSH failed: {' '.join(lines(out)) or 'no output'}"), ""
+        first, _, said = out.partition("\n")
+        if self.template and first != f"template={self.template}":
+            return (f"runs worker template {first.removeprefix('template=')}, not {self.template}: a pod of an earlier "
+                    "revision, the rollout is not done"), ""
+        return "", said
+
+    def run(self) -> int:
+        """0 once every host is ready; 1 at the deadline; 2 without hosts."""
+        if not self.hosts:
+            self.log("ERROR: the hostfile lists no hosts")
+            return 2
+        total, started = len(self.hosts), time.monotonic()
+        self.log(f"waiting up to {self.timeout:.0f}s for {total} workers (DNS, SSH, worker template "
+                 f"{self.template or 'any'})" + (f", then on each: {self.then}" if self.then else ""))
+        pending, last_count, next_log, round_ = list(self.hosts), -1, 0.0, 0
+        with ThreadPoolExecutor(max_workers=max(1, self.parallel)) as pool:
+            while True:
+                results = dict(zip(pending, pool.map(self.check, pending), strict=True))
+                for name in pending:
+                    for line in lines(results[name][1]):
+                        print(line, flush=True)
+                pending = [name for name in pending if results[name][0]]
+                elapsed = time.monotonic() - started
+                if not pending:
+                    self.log(f"all {total} workers are reachable after {elapsed:.0f}s")
+                    return 0
+                if elapsed >= self.timeout or self.stop.is_set():
+                    self.log(f"ERROR: {len(pending)} of {total} workers still unreachable after {self.timeout:.0f}s:")
+                    for name in pending:
+                        self.log(f"  {name}: {results[name][0]}")
+                    return 1
+                if len(pending) != last_count or time.monotonic() >= next_log:
+                    shown = " ".join(pending[:5]) + (f" ... (+{len(pending) - 5} more)" if len(pending) > 5 else "")
+                    self.log(f"{total - len(pending)}/{total} ready; waiting for: {shown} "
+                             f"({self.timeout - elapsed:.0f}s left)")
+                    last_count, next_log = len(pending), time.monotonic() + LOG_EVERY_S
+                self.stop.wait(FIRST_PAUSES[round_] if round_ < len(FIRST_PAUSES) else self.interval)
+                round_ += 1
+
+
+def collect(output: str) -> tuple[list[dict], list[str]]:
+    """pdsh's `host: line` output of every worker's evidence: (the evidence records, every other line). A host's
+    last line without a newline runs into the next host's first (pdsh writes them as they come): what follows a
+    record on its line is a line of its own."""
+    found, others, decoder = [], [], json.JSONDecoder()
+    pending = lines(output)
+    while pending:
+        line = pending.pop(0)
+        name, _, text = line.partition(": ")
+        if text.startswith('{"v"'):
+            try:
+                record, end = decoder.raw_decode(text[:channel.LINE_BYTES])
+            except (ValueError, RecursionError):
+                continue
+            valid = protocol.valid_host_evidence(record)
+            if valid:
+                found.append(valid)
+            if text[end:].strip():
+                pending.insert(0, text[end:])
+        elif line:
+            others.append(line)
+    return found, others
+
+
+class Launcher:
+    """The ssh launcher's side of the loop (Mode): it owns the ledger, and a channel to every worker's agent."""
+
+    def __init__(self, command: list[str], ledger: Ledger, env=os.environ):
+        self.command, self.ledger, self.env = command, ledger, env
+        self.log = Log("launcher")
+        self.hosts = hosts_of(f"{env['DS_CONFIG_DIR']}/hostfile")
+        self.inbox: queue.Queue = queue.Queue()
+        port = int(env.get("DS_CHANNEL_PORT", "0") or 0)
+        self.spokes = [channel.Spoke(i, name, port, self.inbox) for i, name in enumerate(self.hosts)] if port else []
+        threading.Thread(target=self.dispatch, name="dispatch", daemon=True).start()
+        self.child = Child()
+        self.stopped = threading.Event()  # SIGTERM: the meeting waits no longer
+        self.current: Began | None = None
+        self.in_run = False
+
+    def meet(self) -> Began | int:
+        began = self.ledger.begin()
+        if isinstance(began, Stopped):
+            Log("attempts")(began.line)
+            return protocol.EXIT_NOT_RETRIED
+        self.current = began
+        Log("attempts")(began.line)
+        timeout = float(self.env.get("DS_WAIT_TIMEOUT_SECONDS", "300") or 300)
+        status = Meeting(self.hosts, timeout, 1.0, STOP_RANKS, self.env, self.stopped).run()
+        if status != 0:
+            self.ledger.end(began.number, status, [])
+            return status
+        self.connect()
+        return began
+
+    def connect(self) -> None:
+        """The channel to every worker's agent (they answer SSH, so they listen), again where it dropped; one that
+        cannot be reached is said and left: its evidence still says whether its pod got SIGTERM."""
+        hello = channel.encode("join", index=0)
+        missing = [spoke for spoke in self.spokes if spoke.sock is None]
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(missing)))) as pool:
+            pool.map(lambda spoke: spoke.connect(time.monotonic() + 5, hello, self.stopped), missing)
+        for spoke in [spoke for spoke in missing if spoke.sock is None]:
+            self.log(f"no channel to {spoke.host0}:{spoke.port} ({spoke.reason}): its SIGTERM reaches the ledger "
+                     "with its evidence only")
+
+    def dispatch(self) -> None:
+        while True:
+            index, message = self.inbox.get()
+            if message["m"] == "stopping":
+                self.preempted(message.get("host") or self.hosts[index])
+
+    def run(self, attempt: Began) -> int:
+        """DeepSpeed's runner over pdsh (with pdsh's env: DeepSpeed appends its port to our ssh arguments), every rank
+        with the attempt's env (~/.deepspeed_env, which DeepSpeed forwards to every rank: the chart's env lines and
+        the attempt's)."""
+        config = host.chart_file(f"{self.env['DS_CONFIG_DIR']}/deepspeed_env") or ""
+        attempt_lines = "".join(f"{key}={value}\n" for key, value in attempt.env.items())
+        Tree(self.env["HOME"]).write(".deepspeed_env", config + attempt_lines, mode=0o600)
+        self.log(f"running ({attempt.env[protocol.ATTEMPT_ENV['run']]}): {' '.join(self.command)}")
+        self.in_run = True
+        try:
+            status = self.child.run(self.command, pdsh_env({**self.env, **attempt.env}))
+        finally:
+            self.in_run = False
+        return self.autotuned(status)
+
+    def autotuned(self, status: int) -> int:
+        """DeepSpeed's tuner exits 0 also when every experiment failed: only its optimal config means it finished."""
+        results = self.env.get("DS_AUTOTUNING_RESULTS", "")
+        if status != 0 or not results:
+            return status
+        if Tree(results).is_file("ds_config_optimal.json"):
+            self.log(f"autotuning done: {results}/ds_config_optimal.json (see summary.txt beside it)")
+            return 0
+        self.log(f"autotuning ended without {results}/ds_config_optimal.json: no experiment succeeded (see the "
+                 f"experiments' stderr.log under {results})")
+        return 1
+
+    def gather(self, attempt: Began, status: int) -> list[dict]:
+        """Every worker's evidence (and its watchdog's report, to this log) in one pdsh round."""
+        run = attempt.env[protocol.ATTEMPT_ENV["run"]]
+        # After a stop the pod has what is left of its grace period, which the ranks' save has mostly spent.
+        timeout = EVIDENCE_AFTER_STOP_S if self.stopped.is_set() else EVIDENCE_S
+        try:
+            done = pdsh(self.hosts, [*POD_PROGRAM, "host-evidence", run], self.env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.log(f"no evidence from the workers within {timeout}s: the ledger decides from the exit status")
+            return []
+        found, others = collect(done.stdout)
+        for line in others:
+            print(line, flush=True)
+        return found
+
+    def clear(self) -> None:
+        self.log("clearing ranks still running on the workers")
+        for line in lines(pdsh(self.hosts, [STOP_RANKS], self.env).stdout):
+            print(line, flush=True)
+        self.log("starting the run again, from the last complete checkpoint, if the job's failure budget allows")
+
+    def preempted(self, who: str) -> None:
+        if self.current is not None and self.ledger.mark_stopped(self.current.number, who):
+            self.log(f"{who} got SIGTERM: attempt {self.current.number} is a preemption")
+            self.ledger.say("stopping", STOPPED)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.preempted(host.hostname())
+        if self.in_run:
+            for line in lines(pdsh(self.hosts, [STOP_RANKS], self.env).stdout):
+                print(line, flush=True)
+        self.child.terminate()
+
+
+# ---- the worker pod's agent
+
+SSH_ENV_SKIP = re.compile(r"^(HOSTNAME|HOME|PWD|OLDPWD|SHLVL|_|TERM)$")
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def ssh_environment(env, log: Log) -> str:
+    """~/.ssh/environment: this container's env as the image and the chart set it (PATH, LD_LIBRARY_PATH, CUDA_*,
+    the chart's valueFrom entries such as secrets), which sshd hands the ranks started over SSH
+    (PermitUserEnvironment), never through a shell or a log."""
+    out = []
+    for name, value in env.items():
+        if SSH_ENV_SKIP.match(name) or not NAME.match(name):
+            continue
+        if "\n" in value:
+            log(f"env {name} contains a newline; sshd's environment file cannot carry it to the ranks")
+            continue
+        out.append(f"{name}={value}\n")
+    return "".join(out)
+
+
+def ssh_setup(env=os.environ) -> None:
+    """~/.ssh from the mounted Secret and ConfigMap (ssh-setup.sh: keys are copied, ssh refuses readable ones)."""
+    subprocess.run(["bash", f"{SCRIPTS}/ssh-setup.sh"], env=env, check=True)
+
+
+def worker_agent(env=os.environ) -> int:
+    """A worker pod of launchMode ssh: a non-root sshd in the foreground for the launcher's pdsh, the hang watchdog
+    beside it; on SIGTERM (eviction, deletion, scale-down) the stop notice first (the launcher's spoke on this
+    worker tells the ledger: a preemption), then the local ranks get SIGTERM so they can save within the pod's grace
+    period, then sshd stops."""
+    log = Log("worker")
+    ssh_setup(env)
+    Tree(env["HOME"]).write(".ssh/environment", ssh_environment(env, log), mode=0o600)
+    port = int(env.get("DS_CHANNEL_PORT", "0") or 0)
+    listener = channel.Listener(port) if port else None  # listening before sshd answers: the launcher then connects
+    sshd = subprocess.Popen([host.program("sshd", "/usr/sbin/sshd"), "-D", "-e", "-f",
+                             f"{env['HOME']}/.ssh/sshd_config"])
+    stopping = threading.Event()
+    watchdog = Watchdog.from_env(env)  # after sshd: the launcher's meeting waits for sshd, never for the watchdog
+    if watchdog is not None:
+        watchdog.start(stopping)
+
+    def stop(signum, frame) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        log("SIGTERM: stopping local ranks")
+        run = write_stop_notice(env)
+        if listener is not None:
+            listener.broadcast(channel.encode("stopping", host=host.hostname(), run=run))
+        ranks.stop_here(env)
+        sshd.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log(f"{host.hostname()} starting sshd on port {env.get('DS_SSH_PORT', '')}")
+    sshd.wait()
+    return 0
+
+
+def write_stop_notice(env=os.environ) -> str:
+    """protocol.STOP_NOTICE, naming the run this pod's ranks run (their DS_RUN_ID), for this host's evidence; the
+    run."""
+    runs = {host.environ(pid).get(protocol.ATTEMPT_ENV["run"], "") for pid in ranks.find()[1]} - {""}
+    run = min(runs) if runs else ""
+    state = env.get(protocol.STATE_DIR_ENV)
+    if state:
+        Tree(state).write(protocol.STOP_NOTICE, json.dumps({"run": run, "host": host.hostname(), "time": time.time()}))
+    return run
+
+
+def host_evidence(run: str) -> int:
+    """`host-evidence RUN`, run on every worker over pdsh after a failed run: its watchdog's report (for the
+    launcher's log) and its evidence (one JSON line)."""
+    for line in lines(evidence.hang_text(run)):
+        print(line, flush=True)
+    found = evidence.of_run(run)
+    if found:
+        print(json.dumps(found, separators=(",", ":")), flush=True)
+    return 0
