@@ -158,11 +158,14 @@ class Spoke:
         if self.sock is not None:
             return True
         while time.monotonic() < deadline and not (stop and stop.is_set()):
+            sock = None
             try:
                 sock = socket.create_connection((self.host0, self.port), timeout=2)
                 sock.settimeout(None)
                 sock.sendall(hello)
             except OSError as err:
+                if sock is not None:
+                    sock.close()  # connected, but the hello did not go: not left to the collector
                 self.reason = err.strerror or str(err)
                 time.sleep(RETRY_S)
                 continue
