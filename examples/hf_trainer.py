@@ -58,8 +58,8 @@ def main() -> int:
     trainer = Trainer(model=model, args=args, train_dataset=ByteBlocks(text, program.block_size),
                       callbacks=[RankHeartbeat()])  # the chart's hang detection: one line
     last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
-    if last and trainer.is_world_process_zero():
-        print(f"hf_trainer: resuming from {last}", flush=True)
+    if last:  # every process says it: on a volume per worker each reads its own node's copy
+        print(f"hf_trainer: resuming from {last} (process {args.process_index})", flush=True)
     trainer.train(resume_from_checkpoint=last)
     if trainer.is_world_process_zero():
         history = Path(args.output_dir) / "log_history.json"

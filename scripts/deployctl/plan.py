@@ -91,6 +91,42 @@ def security_relaxations(manifests: str) -> list[str]:
     return [item for item in text.split("; ") if item]
 
 
+def worker_env(manifests: str) -> dict[str, str]:
+    """The worker container's plain env values as the chart rendered them."""
+    containers = worker_pod_template(manifests)["spec"]["containers"]
+    return {e["name"]: e["value"] for e in containers[0].get("env", []) if "value" in e}
+
+
+def checkpoint_part_bytes(r: Rendered, params: int) -> int:
+    """About what one worker's part of a checkpoint holds on per-worker volumes: the model's weights (each node's
+    local rank 0 writes them, checkpoint.use_node_local_storage) and its share of the optimizer's fp32 master
+    weights and Adam moments (12 bytes a parameter; all of them at ZeRO 0)."""
+    weights = 4 if r.ds_config.get("bf16", {}).get("enabled") is not True and \
+        r.ds_config.get("fp16", {}).get("enabled") is not True else 2
+    stage = r.ds_config.get("zero_optimization", {}).get("stage", 0)
+    return params * weights + params * 12 // (r.effective["worker"]["replicas"] if stage else 1)
+
+
+def storage_plan(r: Rendered, manifests: str, params: int | None) -> str:
+    """The plan's line for where checkpoints live, and what the peer copy costs (the chart decides whether it is
+    on: its env on the workers)."""
+    env, checkpoints = worker_env(manifests), r.effective["checkpoints"]
+    if env.get("DS_CHECKPOINT_STORAGE") != "per-worker":
+        where = f"the shared claim {checkpoints['existingClaim']}" if checkpoints["existingClaim"] else \
+            "one worker's volume"
+        return f"  checkpoints {where}"
+    volume = "a claim per worker" if checkpoints["volumeClaimSpec"] else "an emptyDir per worker pod"
+    line = f"  checkpoints per-worker volumes ({volume}); "
+    if env.get("DS_PEER_COPY_PORT"):
+        cost = (f"~{human(checkpoint_part_bytes(r, params))} per worker" if params else "the size of one part")
+        return line + (f"peer copy on: each worker's volume also keeps its neighbour's newest part ({cost}: that much "
+                       "more room on every volume, and that much over the pod network per save, in the background); "
+                       "survives the loss of one pod or node, not of two neighbouring ones")
+    why = "checkpoints.peerCopy: false" if not checkpoints["peerCopy"] else \
+        "networkPolicy.enabled: false, which would open the copies to every pod"
+    return line + f"peer copy off ({why}): a lost pod's part of every checkpoint is lost with it"
+
+
 def plan(r: Rendered, context: str | None, manifests: str) -> str:
     batch = ["auto (filled by the program)" if n is None else n for n in r.batch]
     zero = r.ds_config.get("zero_optimization", {})
@@ -121,6 +157,7 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),
     ]
+    params = None
     if r.runs_train_package and r.effective["train"]["config"].get("model", {}).get("hf_config"):
         lines.append("  model       a Hugging Face config read in the pods (model.hf_config): no estimate here")
     elif r.runs_train_package:
@@ -136,6 +173,7 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
                          "zero3-offload-bf16)")
     else:
         lines.append("  model       the program's own (no estimate)")
+    lines.append(storage_plan(r, manifests, params))
     lines += [f"  WARNING: {warning}" for warning in r.warnings]
     if resume_from := r.effective["checkpoints"]["resumeFrom"]:
         lines.append(f"  WARNING: {RESUME_FROM_TRUST.format(source=resume_from)}")

@@ -135,6 +135,11 @@ def cluster_evidence(pods: list[dict], events: list[dict], mains: tuple[str, ...
             for o in observations(pods, events, mains) if (cause := causes.cluster_cause(o))]
 
 
+# Where an attempt's checkpoint came from (protocol.RESUMED_FROM: the peer copy's plan), as the paragraph says it.
+RESUMED_FROM = dict(zip(protocol.RESUMED_FROM, ("the workers' own volumes", "the peer copy", "the bucket"),
+                        strict=True))
+
+
 def attempts_of(progress: dict) -> list[dict]:
     """The ledger's last attempts, from the ConfigMap's `attempts` (JSON, the sidecar's); [] if absent or not JSON."""
     try:
@@ -189,6 +194,8 @@ def why_text(release: Release, observed: dict) -> str:
             text = f"{e['attempt']} {p(e['cause'])}" + (f" at step {e['step']}" if isinstance(e.get("step"), int)
                                                         else "")
             text += f", {duration(e['seconds'])}" if "seconds" in e else ""
+            if e.get("resumed") in RESUMED_FROM:
+                text += f", resumed from {RESUMED_FROM[e['resumed']]}"
             if e.get("by"):
                 text += f" (the pods saw {p(e['seen'])}; the cluster: {p(e['by'])})"
             if e.get("culprit") and e["cause"] in ("hang", "collective-timeout", "program-error"):

@@ -356,7 +356,8 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     # The progress ConfigMap's last word, from the sidecars of rank 0's pod and of the launcher (the ledger).
     # The summary is the ledger owner's, from rank 0's keys read back a beat later: waited for, not read once.
     done = (r"done \| step 60/60 \(100\.0%\) \| loss \d+\.\d{4} \| [\d,]+ tokens/s \| eta 0:00:00 \| "
-            r"checkpoint at step 60 \| goodput \d+\.\d% \| attempt 1 \(0 of 2 failures used, 0 preemptions\)")
+            r"checkpoint at step 60 \| (peer copy at step \d+( \(\d+ steps behind\))? \| )?goodput \d+\.\d% \| "
+            r"attempt 1 \(0 of 2 failures used, 0 preemptions\)")
     final = wait_for(lambda: re.fullmatch(done, (data := progress_data(namespace)).get("summary", "")) and data, 30,
                      "the progress ConfigMap's summary to say done", lambda: str(progress_data(namespace)))
     # The job's wall time, split into measured buckets that add up, with little left unaccounted.
@@ -530,6 +531,44 @@ def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resum
     text, _ = make_why(namespace, "ssh")
     assert re.search(rf"Attempts: 1 pod-deleted at step \d+, {TOOK} \(the pods saw preempted; the cluster: "
                      rf"pod {first}: Killing at ", text), (text, first_log[-4000:])
+    stop_endless_job(namespace)
+
+
+def test_on_the_charts_default_storage_a_deleted_or_force_deleted_worker_resumes_from_its_peers_copy(namespace):
+    """The chart's defaults: an emptyDir per pod, no claim, no bucket. Worker 1's pod is deleted during training
+    (its SIGTERM: a preemption; its stop's checkpoint goes to worker 0 within its grace period), then its
+    replacement is force-deleted (no SIGTERM: nothing more copied). Each time the StatefulSet's new pod starts with
+    an empty volume and the job resumes from the part worker 0 keeps of it; `make why` says where each attempt's
+    checkpoint came from."""
+    install(namespace, steps=100000, train_config={"checkpoint_every": 20}, job={"runRetries": 1},
+            launcher={"scaleDownWorkers": False})
+    launcher_log = lambda: kubectl("logs", f"job/{LAUNCHER}", "--tail=-1", namespace=namespace, check=False)  # noqa: E731
+    worker1_log = lambda: kubectl("logs", f"{WORKERS}-1", "-c", "worker", namespace=namespace, check=False)  # noqa: E731
+    wait_for(lambda: "this worker's part" in worker1_log(), 300, "worker 1's first part kept on worker 0",
+             lambda: diagnose(namespace))
+    deleted = time.monotonic()
+    kubectl("delete", "pod", f"{WORKERS}-1", "--wait=false", namespace=namespace)
+    plan = r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)"
+    first = wait_for(lambda: (m := re.search(plan + r"[\s\S]*resumed from /checkpoints/(step_\d+) at step",
+                                              launcher_log())) and m, 240, "attempt 2 to resume from the peer copy",
+                     lambda: diagnose(namespace))
+    resumed_s = time.monotonic() - deleted
+    assert first[1] == first[2], first[0][-2000:]
+    assert "attempt 2 (0 of 1 failures used, 1 preemption)" in launcher_log()  # a deletion spends nothing
+    step = int(first[1].removeprefix("step_"))
+    wait_for(lambda: any(int(s) > step for s in re.findall(r"step_(\d+): this worker's part", worker1_log())), 240,
+             "the new pod's next part kept on worker 0", lambda: diagnose(namespace))
+    forced = time.monotonic()
+    kubectl("delete", "pod", f"{WORKERS}-1", "--grace-period=0", "--force", "--wait=false", namespace=namespace)
+    second = wait_for(lambda: len(re.findall(plan, log := launcher_log())) >= 2 and "attempt 3 (" in log and
+                      re.search(r"attempt 3 \([\s\S]*resumed from /checkpoints/step_\d+ at step", log) and log,
+                      300, "attempt 3 to resume from the peer copy", lambda: diagnose(namespace))
+    forced_s = time.monotonic() - forced
+    assert "config-error" not in second, second[-4000:]
+    text, _ = make_why(namespace, "ssh")
+    assert re.search(r"2 \S+( at step \d+)?, " + TOOK + r", resumed from the peer copy", text), text
+    print(f"\nworker pod deleted: resumed from the peer copy {resumed_s:.0f}s later; force-deleted: "
+          f"{forced_s:.0f}s later\nmake why:\n{text}")
     stop_endless_job(namespace)
 
 

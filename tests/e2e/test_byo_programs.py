@@ -152,6 +152,33 @@ def argparse_losses(log: str) -> list[float]:
     return [float(v) for v in re.findall(r"ds_argparse: step \d+/\d+ loss ([\d.]+)", log)]
 
 
+def test_the_trainer_example_resumes_from_the_copy_its_peer_keeps_when_a_worker_pod_is_replaced(shared_dir):
+    """The Trainer example, unchanged, on the chart's default storage: worker 1's pod is deleted once its part of a
+    checkpoint is kept on worker 0 (SIGTERM: a preemption; a Trainer saves nothing when stopped) and its replacement
+    starts with an empty volume. The peer copy gives it its part of the newest checkpoint both workers hold, any
+    newer one is set aside, and every process resumes from that one checkpoint (get_last_checkpoint() takes the
+    newest directory on each node's own volume: a mix would resume the two workers at different steps)."""
+    with Cluster(render(trainer_values(shared_dir, 200))) as cluster:
+        workers = cluster.start_workers()
+        launcher = cluster.pods_of("launcher")[0]
+        run = cluster.start(launcher)
+        wait_for(lambda: re.search(r"checkpoint-\d+: this worker's part", workers[1].log()), 240,
+                 "a checkpoint of worker 1's kept on worker 0", lambda: launcher.log() + workers[1].log())
+        cluster.signal_main(workers[1].process, signal.SIGTERM)
+        assert wait(workers[1].process, timeout=60) == 0, workers[1].log()[-3000:]
+        cluster.start(workers[1], log_name="worker1-replacement", new_pod=True)
+        code = wait(run, timeout=300)
+        log = launcher.log()
+    assert code == 0, log[-5000:]
+    plan = re.search(r"resuming from (checkpoint-\d+): worker 1 from the copy its peer keeps \(worker 0\)", log)
+    assert plan, log[-5000:]
+    retry = log[plan.end():]
+    resumed = re.findall(r"hf_trainer: resuming from /checkpoints/(checkpoint-\d+) \(process (\d)\)", retry)
+    assert sorted(resumed) == [(plan[1], "0"), (plan[1], "1")], retry[-5000:]  # one checkpoint, every process
+    print("\n" + "\n".join(line for line in log.splitlines() if "peer-copy" in line or "resuming from" in line))
+    assert "hf_trainer: done at global step 200" in retry, retry[-3000:]
+
+
 def test_a_deepspeed_examples_style_argparse_module_runs(shared_dir):
     values = program_values(shared_dir, module="examples.ds_argparse", argsConvention="deepspeed",
                             args=["--steps=20"])

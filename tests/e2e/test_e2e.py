@@ -216,7 +216,9 @@ def test_a_worker_pod_that_gets_sigterm_is_a_preemption_on_the_charts_default_st
     """An emptyDir per pod (the ledger in the launcher's /tmp, none shared): worker 1's pod gets SIGTERM mid-run (a
     deletion, a drain). Its agent tells the launcher over the attempt loop's channel before its ranks stop (they
     save the step they stop at), so the attempt is a preemption: with runRetries 0 a failure would end the job, and
-    the next attempt begins with the budget untouched (the preemption tests above resume it)."""
+    the next attempt begins with the budget untouched. Its agent copies the stop's checkpoint part to worker 0
+    (the peer copy) before the pod ends; the replacement pod, whose volume is empty, resumes from that copy at the
+    very step the ranks stopped at."""
     values = e2e_values(shared_dir, steps=1000, log_every=5, checkpoint_every=0)
     del values["checkpoints"]
     values["job"]["runRetries"] = 0
@@ -234,3 +236,13 @@ def test_a_worker_pod_that_gets_sigterm_is_a_preemption_on_the_charts_default_st
         stopped = re.findall(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", log)
         assert stopped and stopped[-1][0] == stopped[-1][1], log[-3000:]  # the ranks saved the step they stopped at
         assert run.poll() is None  # the launcher waits for the worker to come back
+        step = int(stopped[-1][0])
+        tag = f"step_{step:08d}"
+        assert f"{tag}: this worker's part" in workers[1].log()  # copied to its peer within the grace period
+        cluster.start(workers[1], log_name="worker1-replacement", new_pod=True)  # a new pod: an empty volume
+        wait_for(lambda: re.search(rf"resumed from \S+/{tag} at step {step}\b", launcher.log()), 180,
+                 "attempt 2 to resume from the peer copy", launcher.log)
+        log = launcher.log()
+        assert f"resuming from {tag}: worker 1 from the copy its peer keeps (worker 0)" in log, log[-3000:]
+        assert f"worker 1: fetched its part of {tag} from worker 0" in log
+        assert "config-error" not in log

@@ -121,6 +121,46 @@ def test_nossh_a_lost_worker_is_replaced_and_a_preempted_one_too_and_only_the_lo
         assert book.cause_of(2).get("step") == step, book.cause_of(2)  # the step the ranks stopped (and saved) at
 
 
+def test_nossh_on_the_charts_default_storage_a_replaced_worker_resumes_from_the_copy_its_peer_keeps(shared_dir):
+    """An emptyDir per pod, no claim, no bucket: worker 1 is deleted (SIGTERM: a preemption; its stop's checkpoint
+    goes to worker 0 before the pod ends), then force-deleted (every process killed: no SIGTERM, no last copy). Each
+    time its replacement starts with an empty volume and resumes from the part worker 0 keeps of it, the newest tag
+    both workers hold; the job finishes, one failure used."""
+    values = nossh_values(shared_dir, retries=1, steps=200, log_every=5, checkpoint_every=20)
+    del values["checkpoints"]
+    with Cluster(render(values)) as cluster:
+        worker0, worker1 = cluster.pods_of("worker")
+        first = cluster.start(worker0)
+        victim = cluster.start(worker1)
+        wait_for(lambda: "this worker's part" in worker1.log(), 180, "worker 1's first copy", worker1.log)
+        cluster.signal_main(victim, signal.SIGTERM)
+        assert wait(victim, timeout=60) == 143, worker1.log()[-3000:]
+        stopped = re.findall(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", worker0.log())
+        step = int(stopped[-1][0])
+        replacement = cluster.start(worker1, log_name="worker1-replacement", new_pod=True)
+        wait_for(lambda: re.search(rf"resumed from \S+/step_{step:08d} at step {step}\b", worker0.log()), 180,
+                 "attempt 2 to resume where the preemption stopped", worker0.log)
+        assert f"resuming from step_{step:08d}: worker 1 from the copy its peer keeps (worker 0)" in worker0.log()
+        wait_for(lambda: re.search(r"step_(\d+): this worker's part", worker1.log()) and int(re.findall(
+            r"step_(\d+): this worker's part", worker1.log())[-1]) > step, 180, "a newer copy", worker1.log)
+        copied = int(re.findall(r"step_(\d+): this worker's part", worker1.log())[-1])
+        cluster.kill(worker1)  # a force delete, a lost node: no SIGTERM, nothing more copied
+        assert wait(replacement, timeout=30) != 0
+        wait_for(lambda: "meeting the other workers at the start barrier" in worker0.log().split(
+            f"resuming from step_{step:08d}")[-1], 120, "worker 0 back at the barrier", worker0.log)
+        second = cluster.start(worker1, log_name="worker1-replacement-2", new_pod=True)
+        codes = [wait(first, timeout=300), wait(second, timeout=60)]
+        log0 = worker0.log()
+        assert codes == [0, 0], log0[-4000:] + worker1.log()[-3000:]
+        resumed = re.findall(r"resuming from step_(\d+): worker 1 from the copy its peer keeps", log0)
+        assert [int(r) for r in resumed] == [step, copied] or int(resumed[-1]) >= copied, log0[-4000:]
+        assert "config-error" not in log0 and max(step_losses(log0)) == 200
+        attempts = cluster.checkpoint_dir(worker0) / "_job" / "attempts"
+        book = Ledger({"DS_ATTEMPTS_DIR": str(attempts), "DS_JOB_UID": next(attempts.iterdir()).name})
+        assert [book.verdict(n) for n in book.numbered()] == ["preemption", "failure", "success"]
+        assert [e.get("resumed") for e in book.history()[0]] == [None, "peer copy", "peer copy"]
+
+
 def test_nossh_a_worker_with_another_rank_count_fails_loudly_and_is_not_retried(shared_dir):
     docs = render(nossh_values(shared_dir, retries=2))
     with Cluster(docs) as cluster:

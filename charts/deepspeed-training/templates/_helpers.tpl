@@ -97,6 +97,17 @@ worker's agent, which the launcher connects to. */}}
 {{- sub .Values.deepspeed.masterPort 1 }}
 {{- end }}
 
+{{/* Whether the workers keep each other's checkpoint parts (podruntime/peercopy.py): on per-worker storage, with
+checkpoints.peerCopy, and with the NetworkPolicy that keeps the copies among the release's pods. */}}
+{{- define "deepspeed-training.peerCopy" -}}
+{{- if and .Values.checkpoints.peerCopy .Values.networkPolicy.enabled (eq (include "deepspeed-training.checkpointStorage" .) "per-worker") }}true{{ end }}
+{{- end }}
+
+{{/* The port each worker's keeper of a peer's checkpoint part listens on. */}}
+{{- define "deepspeed-training.peerCopyPort" -}}
+{{- sub .Values.deepspeed.masterPort 2 }}
+{{- end }}
+
 {{/* Pods that must run together: the workers, and in ssh mode the launcher. */}}
 {{- define "deepspeed-training.gangSize" -}}
 {{- add .Values.worker.replicas (ternary 1 0 (eq .Values.launchMode "ssh")) }}
@@ -353,6 +364,11 @@ and the pod need to stop. */}}
   value: {{ include "deepspeed-training.channelPort" . | quote }}
 - name: DS_ATTEMPTS_DIR
   value: {{ include "deepspeed-training.attemptsDir" . | quote }}
+{{- if include "deepspeed-training.peerCopy" . }}
+# Each worker's checkpoint part is also kept on its ring neighbour's volume (podruntime/peercopy.py): the port.
+- name: DS_PEER_COPY_PORT
+  value: {{ include "deepspeed-training.peerCopyPort" . | quote }}
+{{- end }}
 {{- with .Values.hangDetection }}
 # The one switch of the watchdog (podruntime/watchdog.py, in every worker pod), and its budgets.
 - name: DS_HANG_DETECTION

@@ -52,6 +52,12 @@ never at the API server or on a rank after the GPUs are allocated.
 {{- end }}
 {{- $taken := dict (toString (int .Values.deepspeed.masterPort)) "deepspeed.masterPort" }}
 {{- $_ := set $taken (include "deepspeed-training.channelPort" .) "the attempt loop's channel port (deepspeed.masterPort - 1)" }}
+{{- if include "deepspeed-training.peerCopy" . }}
+{{- if le (int (include "deepspeed-training.peerCopyPort" .)) 1024 }}
+{{- fail (printf "deepspeed.masterPort: %d leaves no unprivileged port for the peer copy of checkpoints (deepspeed.masterPort - 2, on per-worker volumes); use a port above 1026, or checkpoints.peerCopy: false" (int .Values.deepspeed.masterPort)) }}
+{{- end }}
+{{- $_ := set $taken (include "deepspeed-training.peerCopyPort" .) "the peer copy's port (deepspeed.masterPort - 2)" }}
+{{- end }}
 {{- if eq .Values.launchMode "ssh" }}
 {{- with get $taken (toString (int .Values.ssh.port)) }}
 {{- fail (printf "ssh.port: %d is also %s: every worker listens on both; use another port" (int $.Values.ssh.port) .) }}

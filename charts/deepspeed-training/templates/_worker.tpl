@@ -68,6 +68,11 @@ spec:
         - name: channel
           containerPort: {{ include "deepspeed-training.channelPort" . | int }}
           protocol: TCP
+        {{- if include "deepspeed-training.peerCopy" . }}
+        - name: peer-copy
+          containerPort: {{ include "deepspeed-training.peerCopyPort" . | int }}
+          protocol: TCP
+        {{- end }}
       env:
         {{- include "deepspeed-training.commonEnv" . | nindent 8 }}
         {{- if $nossh }}

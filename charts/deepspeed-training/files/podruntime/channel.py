@@ -4,11 +4,13 @@ protocol.VERSION, "m": kind, ...}`, at most LINE_BYTES), typed on arrival (decod
 
 nossh: worker 0 serves a Hub; every other worker's loop keeps a Spoke connected to it (and connects again when it
 drops). Messages:
-  spoke -> hub   join {index, evidence?}   I am here, ready for the next attempt (with my evidence of the last one
-                                           when the hub may not have it: a new connection)
-                 end {index, evidence}     my run of the attempt ended: my evidence of it
+  spoke -> hub   join {index, evidence?, holds?}   I am here, ready for the next attempt (with my evidence of the
+                                           last one when the hub may not have it: a new connection; with what my
+                                           volume holds when the peer copy is on: peercopy.holdings)
+                 end {index, evidence, holds?}   my run of the attempt ended: my evidence of it
                  stopping {index, host}    my pod got SIGTERM: the attempt is a preemption (before my ranks stop)
-  hub -> spoke   go {env}                  the attempt begins: its env for every rank
+  hub -> spoke   go {env, resume?}         the attempt begins: its env for every rank (and the peer copy's plan:
+                                           the tag every worker resumes from, who fetches it from its peer)
                  stop {cause}              a stop rule ends the job
 ssh: every worker's agent serves a Listener; the launcher keeps a Spoke connected to each (index: the worker's), and
 the agent sends `stopping` over it when its pod gets SIGTERM, before its ranks stop. The ranks' own processes start
@@ -48,6 +50,9 @@ def decode(line: bytes | str) -> dict | None:
         message["env"] = {str(k): str(v) for k, v in value["env"].items()}
     if value.get("cause") is not None:
         message["cause"] = clean(value["cause"], 64)
+    for key in ("holds", "resume"):  # the peer copy's (peercopy.py types them where it reads them)
+        if isinstance(value.get(key), dict):
+            message[key] = value[key]
     return message
 
 

@@ -9,6 +9,9 @@ as a program: files/__main__.py), `python -m podruntime PROGRAM [ARGS]` wherever
   stop-ranks                         this host's ranks, stopped (ranks.py)
   watchdog                           this pod's hang watchdog alone (the loops run it as a thread)
   host-evidence RUN                  this host's evidence of RUN (evidence.py), over pdsh
+  peer-holdings                      what this worker can resume from (peercopy.py), one JSON line, over pdsh
+  peer-prepare TAG [NODE,...]        this worker's volume made ready for TAG (fetched from its peer when its node
+                                     is listed), over pdsh
   wait-for-workers HOSTFILE TIMEOUT [INTERVAL [THEN]]   the ssh launcher's meeting, alone
   rank-prefix HEAD PID               the rank tagger's prefixer (ranklog.py starts it)
 
@@ -38,7 +41,7 @@ def launcher(argv: list[str]) -> int:
 
 
 def nossh_worker(argv: list[str]) -> int:
-    from podruntime import nosshmode  # noqa: PLC0415
+    from podruntime import nosshmode, peercopy  # noqa: PLC0415
     from podruntime.ledger import Ledger  # noqa: PLC0415
     from podruntime.loop import AttemptLoop, hosts_of  # noqa: PLC0415
     from podruntime.watchdog import Watchdog  # noqa: PLC0415
@@ -55,8 +58,9 @@ def nossh_worker(argv: list[str]) -> int:
         watchdog.start(threading.Event())
     ledger = Ledger() if index == "0" else None
     hosts = hosts_of(f"{os.environ['DS_CONFIG_DIR']}/hostfile")
+    peer = peercopy.start(hosts, int(index))
     mode = nosshmode.Worker(int(index), hosts, int(os.environ["DS_CHANNEL_PORT"]),
-                            float(os.environ.get("DS_WAIT_TIMEOUT_SECONDS", "300") or 300), argv, ledger)
+                            float(os.environ.get("DS_WAIT_TIMEOUT_SECONDS", "300") or 300), argv, ledger, peer=peer)
     return AttemptLoop(mode, ledger, mode.log).run()
 
 
@@ -115,6 +119,18 @@ def host_evidence(argv: list[str]) -> int:
     return sshmode.host_evidence(argv[0]) if len(argv) == 1 else usage()
 
 
+def peer_holdings(argv: list[str]) -> int:
+    from podruntime import sshmode  # noqa: PLC0415
+
+    return sshmode.peer_holdings() if not argv else usage()
+
+
+def peer_prepare(argv: list[str]) -> int:
+    from podruntime import sshmode  # noqa: PLC0415
+
+    return sshmode.peer_prepare(argv[0], argv[1] if len(argv) > 1 else "") if 1 <= len(argv) <= 2 else usage()
+
+
 def rank_prefix(argv: list[str]) -> int:
     from podruntime import ranklog  # noqa: PLC0415
 
@@ -125,7 +141,8 @@ def rank_prefix(argv: list[str]) -> int:
 # host-evidence over pdsh; the prefixer of every rank).
 PROGRAMS = {"launcher": launcher, "nossh-worker": nossh_worker, "ssh-worker": ssh_worker, "sidecar": sidecar,
             "objectstore": objectstore, "stop-ranks": stop_ranks, "watchdog": watchdog, "host-evidence": host_evidence,
-            "wait-for-workers": wait_for_workers, "rank-prefix": rank_prefix}
+            "wait-for-workers": wait_for_workers, "rank-prefix": rank_prefix, "peer-holdings": peer_holdings,
+            "peer-prepare": peer_prepare}
 
 
 # A container's entrypoint: PID 1 in its pod, which must reap orphans (host.run_as_init).

@@ -33,6 +33,7 @@ from podruntime import causes, host, protocol
 from podruntime.tenantfiles import Tree
 from podruntime.text import Log, clean
 
+RESUMED = "resumed.json"  # {"from": one of protocol.RESUMED_FROM, "line": the plan's line}: the peer copy's plan
 BUDGET_RECORD = "budget.json"  # {"counts_from": N, "opened_by": Job uid, "spent_by": [Job uids]}
 ATTEMPT_NAME = re.compile(r"[0-9]{4,9}")
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")  # what the sidecar writes: an object's uid
@@ -152,9 +153,11 @@ class Ledger:
             counts[cause["cause"]] = counts.get(cause["cause"], 0) + 1
             begun, ended = protocol.number(cause.get("begun")), protocol.number(cause.get("ended"))
             seconds = ended - begun if begun is not None and ended is not None and ended >= begun else None
+            resumed = (self.tree.read_json(f"{self.name(number)}/{RESUMED}") or {}).get("from")
             entries.append({"attempt": number, "cause": cause["cause"], "step": protocol.count(cause.get("step")),
                             "ended": ended, **({"culprit": cause["culprit"]} if cause.get("culprit") else {}),
-                            **({"seconds": round(seconds, 1)} if seconds is not None else {})})
+                            **({"seconds": round(seconds, 1)} if seconds is not None else {}),
+                            **({"resumed": resumed} if resumed in protocol.RESUMED_FROM else {})})
         return entries[-protocol.HISTORY:], counts
 
     def summary(self, number: int, failures: int, preemptions: int) -> str:
@@ -244,6 +247,11 @@ class Ledger:
             why += f"; the last ended: {last['reason']}" if isinstance(last.get("reason"), str) else ""
         self.say("failed", why, culprit=last.get("culprit"), cause=cause)
         return Stopped(why, cause)
+
+    def note_resume(self, number: int, resumed: str, line: str) -> None:
+        """Where attempt `number`'s checkpoint came from (the peer copy's plan: protocol.RESUMED_FROM), for
+        `make why`."""
+        self.keep(f"{self.name(number)}/{RESUMED}", json.dumps({"from": resumed, "line": line}))
 
     def mark_stopped(self, number: int, who: str) -> bool:
         """Marks attempt `number` a preemption (a pod got SIGTERM), unless its outcome is already recorded (the

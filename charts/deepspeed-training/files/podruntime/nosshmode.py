@@ -16,7 +16,7 @@ import re
 import threading
 import time
 
-from podruntime import channel, evidence, host, protocol, ranks
+from podruntime import channel, evidence, host, peercopy, protocol, ranks
 from podruntime.causes import STOPPED
 from podruntime.ledger import Began, Ledger, Stopped
 from podruntime.loop import Child
@@ -30,10 +30,15 @@ class Worker:
     """A nossh worker's side of the loop (Mode); worker 0 also owns the ledger and the hub."""
 
     def __init__(self, index: int, hosts: list[str], port: int, timeout: float, command: list[str],
-                 ledger: Ledger | None, env=os.environ):
+                 ledger: Ledger | None, env=os.environ, peer: peercopy.Running | None = None):
         self.index, self.hosts, self.port, self.timeout = index, hosts, port, timeout
         self.command = [command[0], f"--node_rank={index}", *command[1:]]
         self.ledger, self.env = ledger, env
+        # The peer copy (on per-worker volumes): what each host holds goes to worker 0 with its join or end, worker
+        # 0's plan (the tag every worker resumes from) with the `go`; each worker prepares its volume before its run.
+        self.peer = peer
+        self.holds: dict[int, dict] = {}
+        self.resume: dict | None = None
         self.log, self.barrier_log = Log(f"worker {index}"), Log(f"barrier {index}")
         self.child = Child()
         self.stopped = threading.Event()  # SIGTERM: no meeting waits any longer
@@ -66,6 +71,7 @@ class Worker:
                 if kind in ("join", "end"):
                     self.ready.add(index)
                     self.take_evidence(index, message.get("evidence"))
+                    self.holds[index] = message.get("holds")
                 elif kind == "gone":
                     self.ready.discard(index)
                     self.running.discard(index)
@@ -122,12 +128,41 @@ class Worker:
                     self.hub.send(i, channel.encode("stop", cause=began.cause))
                 self.barrier_log(began.line)
                 return protocol.EXIT_NOT_RETRIED
+            plan = self.plan()
+            if isinstance(plan, str):  # no tag every worker holds: a stop, in one line, never a start from step 0
+                self.ledger.end(began.number, protocol.EXIT_CONFIG_ERROR, [])
+                self.ledger.say("failed", f"attempt {began.number} ended: config-error: {plan}", cause="config-error")
+                for i in ready:
+                    self.hub.send(i, channel.encode("stop", cause="config-error"))
+                self.barrier_log(f"ERROR: {plan}")
+                return protocol.EXIT_CONFIG_ERROR
             self.current, self.found, self.running = began, {}, set(ready)
+            self.resume = plan.message() if plan else None
             for i in ready:
-                self.hub.send(i, channel.encode("go", env=began.env))
+                self.hub.send(i, channel.encode("go", env=began.env, **({"resume": self.resume} if plan else {})))
+            if plan:
+                self.barrier_log(plan.line)
+                self.ledger.note_resume(began.number, plan.resumed, plan.line)
         Log("attempts")(began.line)
         self.barrier_log(f"all {len(self.hosts)} workers are here: starting the run, {began.line}")
         return began
+
+    def plan(self) -> "peercopy.Plan | str | None":
+        """The peer copy's plan from every host's holdings (worker 0's own now, the others' from their join or end);
+        None without the peer copy, or when a host's holdings are missing (a worker of an older chart)."""
+        if self.peer is None:
+            return None
+        found = {0: peercopy.holdings(self.peer.ring, self.peer.replicator.volume)}
+        for index in self.workers:
+            valid = peercopy.valid_holdings(self.holds.get(index), len(self.hosts))
+            if valid is None or valid["node"] != index:
+                self.barrier_log(f"worker {index} sent no holdings: the peer copy's plan is skipped this attempt")
+                return None
+            found[index] = valid
+        return peercopy.plan(found, len(self.hosts))
+
+    def holdings(self) -> dict:
+        return {"holds": peercopy.holdings(self.peer.ring, self.peer.replicator.volume)} if self.peer else {}
 
     def gather_as_owner(self, attempt: Began, status: int) -> list[dict]:
         own = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env)
@@ -146,8 +181,8 @@ class Worker:
         deadline, next_log = time.monotonic() + self.timeout, time.monotonic() + LOG_EVERY_S
         while time.monotonic() < deadline and not self.stopped.is_set():
             if self.spoke.sock is None:
-                self.spoke.connect(deadline, channel.encode("join", index=self.index, evidence=self.last),
-                                   self.stopped)
+                self.spoke.connect(deadline, channel.encode("join", index=self.index, evidence=self.last,
+                                                            **self.holdings()), self.stopped)
             try:
                 message = self.spoke.inbox.get(timeout=1.0)
             except Exception:  # noqa: BLE001 - queue.Empty: nothing yet
@@ -159,6 +194,7 @@ class Worker:
             env = attempt_env(message.get("env")) if message["m"] == "go" else None
             if env is not None and env[protocol.ATTEMPT_ENV["attempt"]].isdigit():
                 self.last = None
+                self.resume = message.get("resume")
                 self.current = Began(int(env[protocol.ATTEMPT_ENV["attempt"]]), env, "")
                 self.barrier_log("all workers are here: starting the run")
                 return self.current
@@ -177,6 +213,16 @@ class Worker:
 
     def run(self, attempt: Began) -> int:
         run = attempt.env[protocol.ATTEMPT_ENV["run"]]
+        if self.peer is not None and self.resume is not None:
+            tag = peercopy.valid_tag(self.resume.get("tag"))
+            peer = self.resume.get("peer") if isinstance(self.resume.get("peer"), list) else []
+            try:
+                done = peercopy.prepare(self.peer.ring, self.peer.replicator.volume, tag, self.index in peer)
+            except (peercopy.PeerError, OSError) as err:
+                self.log(f"ERROR: cannot make this worker's volume ready for {tag}: {err}")
+                return 1
+            if done:
+                self.log(done)
         self.log(f"running ({run}): {' '.join(self.command)}")
         return self.child.run(self.command, {**self.env, **attempt.env})
 
@@ -184,7 +230,7 @@ class Worker:
         if self.owner:
             return self.gather_as_owner(attempt, status)
         self.last = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env)
-        if self.spoke.send(channel.encode("end", index=self.index, evidence=self.last)):
+        if self.spoke.send(channel.encode("end", index=self.index, evidence=self.last, **self.holdings())):
             self.last = None
         return []
 
@@ -194,6 +240,7 @@ class Worker:
                  "allows")
 
     def stop(self) -> None:
+        since = time.monotonic()
         self.stopped.set()
         with self.changed:
             self.changed.notify_all()
@@ -207,6 +254,8 @@ class Worker:
             self.spoke.send(channel.encode("stopping", index=self.index, host=host.hostname(), run=run))
         ranks.stop_here(self.env, Log(f"worker {self.index}"))
         self.child.terminate()
+        if self.peer is not None:  # the stop's checkpoint, to the keeper, in what is left of the grace period
+            self.peer.flush_after_stop(since)
 
 
 

@@ -393,6 +393,9 @@ def restore_checkpoint(store, settings: Settings) -> str:
         raise StoreError(f"{volume.path(tag)}: cannot be put in place")
     if (latest_at_root or checkpoints.TAG_PATTERN.match(tag)) and not volume.write(checkpoints.LATEST, tag):
         raise StoreError(f"{volume.path(checkpoints.LATEST)}: cannot be written")
+    # Where this volume's tag came from, for the peer copy's plan (and `make why`: resumed from the bucket).
+    volume.write(f"{protocol.JOB_DIR}/{protocol.RESTORED}", json.dumps({"tag": tag, "from": "bucket",
+                                                                        "time": time.time()}))
     which = f"node {settings.node}'s part" if settings.per_worker else f"{nodes} part(s)"
     return (f"restored {tag} from the bucket into {volume.path(tag)} ({which}, {total / 1e6:.1f} MB in "
             f"{time.monotonic() - started:.1f}s)")

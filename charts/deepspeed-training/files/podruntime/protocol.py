@@ -76,6 +76,12 @@ JOB_ID_FILE = "job.id"
 # KEEP_RUNS runs' diagnostics, the last KEEP_JOBS jobs' ledgers and goodput records.
 JOB_DIR = "_job"
 ATTEMPTS, DIAGNOSTICS, GOODPUT = "attempts", "diagnostics", "goodput"
+# On per-worker volumes (peercopy.py): PEER/<node>/ the copy of another worker's part that this volume keeps (one
+# writer: this pod's keeper), ASIDE/ the tags newer than the one the workers agreed to resume from, RESTORED where
+# the last restore came from (the bucket's restore container writes it).
+PEER, ASIDE, RESTORED = "peer", "aside", "restored.json"
+RESUMED_FROM = ("own volumes", "peer copy", "bucket")  # where an attempt's checkpoint came from (the verdict's history)
+PEER_STATUS = "peer-copy.json"  # in the pod's state directory: the peer copy's status, which the sidecar publishes
 KEEP_RUNS = 10
 KEEP_JOBS = 3
 

@@ -47,7 +47,8 @@ API_TIMEOUT = (3, 10)  # connect, read: a stuck API call must not hold the loop,
 FINAL_TRIES = 20  # after SIGTERM, 0.5 s apart: a slow API must not lose the last word
 METRIC = "deepspeed_training"
 PROGRESS_KEYS = ("progressState", "step", "steps", "percent", "loss", "lr", "tokensPerSecond", "mfu", "eta",
-                 "checkpointStep", "bucketStep", "uploadLagSteps", "goodput", "progressTime")
+                 "checkpointStep", "bucketStep", "uploadLagSteps", "peerStep", "peerLagSteps", "goodput",
+                 "progressTime")
 JOB_KEYS = ("state", "cause", "reason", "culprit", "history", "attempts", "attempt", "failuresUsed", "failureBudget",
             "preemptions", "run", "updated", "summary")
 NUMBERS = {"step": ("step", "{:.0f}"), "steps": ("steps", "{:.0f}"), "loss": ("loss", "{:.4f}"), "lr": ("lr", "{:.3e}"),
@@ -92,6 +93,16 @@ def upload_fields(status: dict | None) -> dict[str, str]:
     return out
 
 
+def peer_fields(status: dict | None) -> dict[str, str]:
+    """The ConfigMap's keys for the peer copy (node 0's: peercopy.Replicator.status, written in the tenant's
+    image): the newest step of this worker's part that its peer keeps, and how far its newest local one is ahead."""
+    out = {}
+    for key, name in (("replicated_step", "peerStep"), ("lag_steps", "peerLagSteps")):
+        if status and (value := protocol.number(status.get(key))) is not None and 0 <= value < 1e15:
+            out[name] = f"{value:.0f}"
+    return out
+
+
 def job_fields(verdict: dict, rank0: dict[str, str]) -> dict[str, str]:
     """The ConfigMap's keys for the job (JOB_KEYS but updated and summary): the ledger's verdict, its state
     refined by rank 0's while an attempt runs (rank 0's report is newer than the attempt's start)."""
@@ -120,7 +131,7 @@ def job_fields(verdict: dict, rank0: dict[str, str]) -> dict[str, str]:
 
 def history_entries(entries) -> list[dict]:
     """The ledger's last attempts (the verdict's history, written in the tenant's image), typed and bounded: each
-    {attempt, cause, step?, seconds?, ended?, culprit?}."""
+    {attempt, cause, step?, seconds?, ended?, culprit?, resumed?}."""
     if not isinstance(entries, list):
         return []
     out = []
@@ -136,6 +147,8 @@ def history_entries(entries) -> list[dict]:
                 checked[key] = int(value) if key == "step" else round(value, 1)
         if isinstance(entry.get("culprit"), str) and entry["culprit"]:
             checked["culprit"] = clean(entry["culprit"], 300)
+        if entry.get("resumed") in protocol.RESUMED_FROM:
+            checked["resumed"] = entry["resumed"]
         out.append(checked)
     return out
 
@@ -164,6 +177,9 @@ def summary(data: dict[str, str]) -> str:
     if "bucketStep" in data:
         parts.append(f"bucket at step {data['bucketStep']}" + (f" ({data['uploadLagSteps']} steps behind)" if
                                                                 data.get("uploadLagSteps", "0") != "0" else ""))
+    if "peerStep" in data:
+        parts.append(f"peer copy at step {data['peerStep']}" + (f" ({data['peerLagSteps']} steps behind)" if
+                                                                 data.get("peerLagSteps", "0") != "0" else ""))
     if data.get("goodput"):
         parts.append(data["goodput"].split(" | ")[0])  # "goodput 91.2%"
     if "attempt" in data:
@@ -302,8 +318,8 @@ class Publisher:
     def step(self, final: bool = False) -> bool:
         """One look and the patches it calls for; False while something is left to write."""
         done = True
-        local = {**progress_fields(self.pod.record(protocol.PROGRESS) or {}),
-                 **upload_fields(self.uploads)} if self.progress else {}
+        local = {**progress_fields(self.pod.record(protocol.PROGRESS) or {}), **upload_fields(self.uploads),
+                 **peer_fields(self.pod.record(protocol.PEER_STATUS))} if self.progress else {}
         if self.progress_writer:
             done &= self.progress_writer.write(local, urgent=final)
         if self.job_writer:
@@ -362,6 +378,15 @@ METRICS = (
     ("checkpoint_upload_bytes_per_second", "", "the last upload's rate", "with objectStore", "bytes_per_s"),
     ("checkpoint_upload_failures", "", "uploads that failed and are retried (the store away, a full quota)",
      "with objectStore", "failures"),
+    ("checkpoint_peer_step", "", "the newest checkpoint step of this pod's part that its peer keeps (peer copy)",
+     "with peerCopy", "replicated_step"),
+    ("checkpoint_peer_lag_steps", "", "steps between this pod's newest complete checkpoint and its peer's copy",
+     "with peerCopy", "lag_steps"),
+    ("checkpoint_peer_copy_seconds", "", "seconds the last copy of this pod's part to its peer took", "with peerCopy",
+     "seconds"),
+    ("checkpoint_peer_copy_bytes_per_second", "", "the last peer copy's rate", "with peerCopy", "bytes_per_s"),
+    ("checkpoint_peer_copy_failures", "", "copies to the peer that failed and are retried", "with peerCopy",
+     "failures"),
 )
 
 
@@ -376,6 +401,11 @@ def samples(pod: Pod, progress: bool, job: bool, uploads: dict | None = None):
             continue
         if where == "with objectStore":
             if uploads is not None and (value := protocol.number(uploads.get(key))) is not None:
+                yield name, label, doc, [("", value)]
+            continue
+        if where == "with peerCopy":
+            peer = pod.record(protocol.PEER_STATUS) or {}
+            if (value := protocol.number(peer.get(key))) is not None and 0 <= value < 1e15:
                 yield name, label, doc, [("", value)]
             continue
         if where == "every worker":

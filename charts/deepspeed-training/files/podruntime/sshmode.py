@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from podruntime import channel, evidence, host, protocol, ranks
+from podruntime import channel, checkpoints, evidence, host, peercopy, protocol, ranks
 from podruntime.causes import STOPPED
 from podruntime.ledger import Began, Ledger, Stopped
 from podruntime.loop import Child, hosts_of
@@ -127,10 +127,10 @@ class Meeting:
                 round_ += 1
 
 
-def collect(output: str) -> tuple[list[dict], list[str]]:
-    """pdsh's `host: line` output of every worker's evidence: (the evidence records, every other line). A host's
-    last line without a newline runs into the next host's first (pdsh writes them as they come): what follows a
-    record on its line is a line of its own."""
+def collect(output: str, valid=protocol.valid_host_evidence) -> tuple[list[dict], list[str]]:
+    """pdsh's `host: line` output of a record per worker (each host's evidence; `valid` types it): (the records,
+    every other line). A host's last line without a newline runs into the next host's first (pdsh writes them as
+    they come): what follows a record on its line is a line of its own."""
     found, others, decoder = [], [], json.JSONDecoder()
     pending = lines(output)
     while pending:
@@ -141,9 +141,9 @@ def collect(output: str) -> tuple[list[dict], list[str]]:
                 record, end = decoder.raw_decode(text[:channel.LINE_BYTES])
             except (ValueError, RecursionError):
                 continue
-            valid = protocol.valid_host_evidence(record)
-            if valid:
-                found.append(valid)
+            checked = valid(record)
+            if checked:
+                found.append(checked)
             if text[end:].strip():
                 pending.insert(0, text[end:])
         elif line:
@@ -166,6 +166,9 @@ class Launcher:
         self.stopped = threading.Event()  # SIGTERM: the meeting waits no longer
         self.current: Began | None = None
         self.in_run = False
+        # The peer copy (per-worker volumes): the plan of the attempt (peercopy.py), made once the workers met.
+        self.peer_copy = bool(env.get(peercopy.PORT_ENV)) and len(self.hosts) > 1
+        self.resume: peercopy.Plan | None = None
 
     def meet(self) -> Began | int:
         began = self.ledger.begin()
@@ -179,8 +182,52 @@ class Launcher:
         if status != 0:
             self.ledger.end(began.number, status, [])
             return status
+        plan = self.plan()
+        if isinstance(plan, str):  # no tag every worker holds: a stop, in one line, never a start from step 0
+            self.ledger.end(began.number, protocol.EXIT_CONFIG_ERROR, [])
+            self.ledger.say("failed", f"attempt {began.number} ended: config-error: {plan}", cause="config-error")
+            self.log(f"ERROR: {plan}")
+            return protocol.EXIT_CONFIG_ERROR
+        self.resume = plan
+        if plan is not None:
+            self.log(plan.line)
+            self.ledger.note_resume(began.number, plan.resumed, plan.line)
         self.connect()
         return began
+
+    def plan(self) -> "peercopy.Plan | str | None":
+        """The peer copy's plan from every worker's holdings (one pdsh round); None without the peer copy or when a
+        worker's holdings did not come (then every worker resumes from what its own volume holds, as without it)."""
+        if not self.peer_copy:
+            return None
+        nodes = len(self.hosts)
+        done = pdsh(self.hosts, [*POD_PROGRAM, "peer-holdings"], self.env, timeout=EVIDENCE_S)
+        records, others = collect(done.stdout, lambda record: peercopy.valid_holdings(record.get("holds"), nodes))
+        for line in others:
+            print(line, flush=True)
+        found = {record["node"]: record for record in records}
+        if set(found) != set(range(nodes)):
+            missing = sorted(set(range(nodes)) - set(found))
+            self.log(f"no holdings from worker(s) {', '.join(map(str, missing[:10]))}: the peer copy's plan is skipped "
+                     "this attempt")
+            return None
+        return peercopy.plan(found, nodes)
+
+    def prepare(self) -> int:
+        """Every worker's volume made ready for the plan's tag (one pdsh round); 0, or 1 with what went wrong."""
+        plan = self.resume
+        if plan is None or plan.tag is None or not checkpoints.is_tag_name(plan.tag):
+            return 0
+        peer = ",".join(str(n) for n in plan.peer)
+        done = pdsh(self.hosts, [*POD_PROGRAM, "peer-prepare", shlex.quote(plan.tag), *([peer] if peer else [])],
+                    self.env)
+        for line in lines(done.stdout + done.stderr):
+            print(line, flush=True)
+        if done.returncode != 0:
+            self.log(f"ERROR: a worker's volume could not be made ready for {plan.tag}: the attempt fails (its lines "
+                     "above say why)")
+            return 1
+        return 0
 
     def connect(self) -> None:
         """The channel to every worker's agent (they answer SSH, so they listen), again where it dropped; one that
@@ -206,6 +253,8 @@ class Launcher:
         config = host.chart_file(f"{self.env['DS_CONFIG_DIR']}/deepspeed_env") or ""
         attempt_lines = "".join(f"{key}={value}\n" for key, value in attempt.env.items())
         Tree(self.env["HOME"]).write(".deepspeed_env", config + attempt_lines, mode=0o600)
+        if self.prepare() != 0:
+            return 1
         self.log(f"running ({attempt.env[protocol.ATTEMPT_ENV['run']]}): {' '.join(self.command)}")
         self.in_run = True
         try:
@@ -297,6 +346,8 @@ def worker_agent(env=os.environ) -> int:
     Tree(env["HOME"]).write(".ssh/environment", ssh_environment(env, log), mode=0o600)
     port = int(env.get("DS_CHANNEL_PORT", "0") or 0)
     listener = channel.Listener(port) if port else None  # listening before sshd answers: the launcher then connects
+    peer = peercopy.start(hosts_of(f"{env['DS_CONFIG_DIR']}/hostfile"), env=env) if env.get(peercopy.PORT_ENV) \
+        else None
     sshd = subprocess.Popen([host.program("sshd", "/usr/sbin/sshd"), "-D", "-e", "-f",
                              f"{env['HOME']}/.ssh/sshd_config"])
     stopping = threading.Event()
@@ -307,12 +358,15 @@ def worker_agent(env=os.environ) -> int:
     def stop(signum, frame) -> None:
         if stopping.is_set():
             return
+        since = time.monotonic()
         stopping.set()
         log("SIGTERM: stopping local ranks")
         run = write_stop_notice(env)
         if listener is not None:
             listener.broadcast(channel.encode("stopping", host=host.hostname(), run=run))
         ranks.stop_here(env)
+        if peer is not None:  # the stop's checkpoint, to the keeper, in what is left of the grace period
+            peer.flush_after_stop(since, env)
         sshd.terminate()
 
     signal.signal(signal.SIGTERM, stop)
@@ -331,6 +385,35 @@ def write_stop_notice(env=os.environ) -> str:
     if state:
         Tree(state).write(protocol.STOP_NOTICE, json.dumps({"run": run, "host": host.hostname(), "time": time.time()}))
     return run
+
+
+def peer_holdings(env=os.environ) -> int:
+    """`peer-holdings`, over pdsh before an attempt: what this worker can resume from, one JSON line."""
+    ring = peercopy.Ring.from_env(hosts_of(f"{env['DS_CONFIG_DIR']}/hostfile"), env=env)
+    if ring is None:
+        print("peer-holdings: the peer copy is off here, or this host is not in the hostfile", flush=True)
+        return 1
+    print(json.dumps({"v": protocol.VERSION, "holds": peercopy.holdings(ring, peercopy.volume_of(env))},
+                     separators=(",", ":")), flush=True)
+    return 0
+
+
+def peer_prepare(tag: str, peer: str, env=os.environ) -> int:
+    """`peer-prepare TAG [NODE,...]`, over pdsh before the run: this worker's volume made ready for TAG, its part
+    fetched from its keeper when its node is listed."""
+    log = Log("peer-copy")
+    ring = peercopy.Ring.from_env(hosts_of(f"{env['DS_CONFIG_DIR']}/hostfile"), env=env)
+    if ring is None or not checkpoints.is_tag_name(tag):
+        log("peer-prepare: the peer copy is off here, or not a tag")
+        return 1
+    try:
+        done = peercopy.prepare(ring, peercopy.volume_of(env), tag, str(ring.node) in peer.split(","))
+    except (peercopy.PeerError, OSError) as err:
+        log(f"ERROR: worker {ring.node}'s volume cannot be made ready for {tag}: {err}")
+        return 1
+    if done:
+        log(f"worker {ring.node}: {done}")
+    return 0
 
 
 def host_evidence(run: str) -> int:

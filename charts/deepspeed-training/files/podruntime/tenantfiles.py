@@ -293,6 +293,19 @@ class Tree:
                 os.close(fd)
         return dict(sorted(found.items()))
 
+    def free_bytes(self) -> int | None:
+        """Bytes an unprivileged writer may still put on the root's filesystem, or None."""
+        fd = self._open_dir([])
+        if fd is None:
+            return None
+        try:
+            info = os.fstatvfs(fd)
+            return info.f_bavail * info.f_frsize
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
     def open_stream(self, relpath):
         """A checkpoint file for streaming (binary, read-only): regular, opened beneath without following a link and
         without blocking; None otherwise. The caller checks its size again once it has read it."""
