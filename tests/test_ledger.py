@@ -255,6 +255,11 @@ def raised(name: str, rank: int, line: str, step: int | None, when: float, cause
                 1000.0, "collective-timeout"),
          lambda run_id: host(hang("w-1", run_id, 1, "outside-collective", 990.0, "in read_batch (x.py:9)"))],
      "collective-timeout", "Timed out waiting"),
+    # A host left mid-attempt without a SIGTERM (its channel dropped: a force delete, a lost node): its peers'
+    # connection errors are echoes of it.
+    (1, [raised("w-0", 0, "RuntimeError: Connection closed by peer", 57, 101.0),
+         lambda run_id: protocol.host_evidence("w-1", run_id, None, None, [], None, lost=True)],
+     "node-lost", "node-lost: w-1 left during the attempt without a SIGTERM or a word"),
     # The watchdog reported first: a hang, whatever the ranks raised while they were killed.
     (1, [raised("w-0", 0, "RuntimeError: Connection closed by peer", 30, 1100.0),
          lambda run_id: host(hang("w-1", run_id, 1, "stopped", 950.0, "process stopped"))],
@@ -276,12 +281,14 @@ def test_every_rule_of_the_policy_decides_some_case_and_the_order_is_the_policy(
     stopped_hang = causes.merge_hang_reports([hang("w-1", "run-0001-a", 1, "stopped", 950.0, "process stopped")])
     word = {**protocol.end_record("run-0001-a", 0, "w-0", "program-error", "RuntimeError: peer gone", 3, 1100.0)}
     cases = {"completed": facts(status=0), "preempted": facts(stopped=True), "oom-killed": facts(oom=[("w", 1)]),
-             "hang": facts(hang=stopped_hang, hang_time=970.0, word=word), "a rank's": facts(word=word),
+             "hang": facts(hang=stopped_hang, hang_time=970.0, word=word), "node-lost": facts(lost=["w-1"], word=word),
+             "a rank's": facts(word=word),
              "program-error": facts(killed=[("w", 9)]), "config-error": facts(status=2)}
     deciders = [next(rule for rule in causes.ATTEMPT_RULES if rule.applies(f)).cause for f in cases.values()]
     assert deciders == list(cases) and [r.cause for r in causes.ATTEMPT_RULES][-1] == "program-error"
     assert causes.decide(cases["hang"])["cause"] == "hang"
-    reordered = (causes.ATTEMPT_RULES[4], *(r for i, r in enumerate(causes.ATTEMPT_RULES) if i != 4))
+    word_row = next(i for i, r in enumerate(causes.ATTEMPT_RULES) if r.cause == "a rank's")
+    reordered = (causes.ATTEMPT_RULES[word_row], *(r for i, r in enumerate(causes.ATTEMPT_RULES) if i != word_row))
     assert next(r for r in reordered if r.applies(cases["hang"])).cause == "a rank's"
     assert {r.cause for r in causes.ATTEMPT_RULES} - {"a rank's"} <= set(causes.CAUSES)
     assert {r.cause for r in causes.CLUSTER_RULES} <= set(causes.CAUSES)

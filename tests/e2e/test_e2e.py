@@ -218,7 +218,7 @@ def test_a_worker_pod_that_gets_sigterm_is_a_preemption_on_the_charts_default_st
     save the step they stop at), so the attempt is a preemption: with runRetries 0 a failure would end the job, and
     the next attempt begins with the budget untouched. Its agent copies the stop's checkpoint part to worker 0
     (the peer copy) before the pod ends; the replacement pod, whose volume is empty, resumes from that copy at the
-    very step the ranks stopped at."""
+    very step the ranks stopped at. Killed outright, it is node-lost: a failure."""
     values = e2e_values(shared_dir, steps=1000, log_every=5, checkpoint_every=0)
     del values["checkpoints"]
     values["job"]["runRetries"] = 0
@@ -246,3 +246,8 @@ def test_a_worker_pod_that_gets_sigterm_is_a_preemption_on_the_charts_default_st
         assert f"resuming from {tag}: worker 1 from the copy its peer keeps (worker 0)" in log, log[-3000:]
         assert f"worker 1: fetched its part of {tag} from worker 0" in log
         assert "config-error" not in log
+        # Then the new pod is killed outright (a force delete, a lost node: no SIGTERM, no word): the launcher sees
+        # its channel drop mid-run, so the attempt is node-lost, a failure, which spends the budget of 0.
+        cluster.kill(workers[1])
+        assert wait(run, timeout=120) == protocol.EXIT_NOT_RETRIED, launcher.log()[-3000:]
+        assert f"node-lost: {workers[1].hostname} left during the attempt without a SIGTERM" in launcher.log()

@@ -123,9 +123,9 @@ def test_nossh_a_lost_worker_is_replaced_and_a_preempted_one_too_and_only_the_lo
 
 def test_nossh_on_the_charts_default_storage_a_replaced_worker_resumes_from_the_copy_its_peer_keeps(shared_dir):
     """An emptyDir per pod, no claim, no bucket: worker 1 is deleted (SIGTERM: a preemption; its stop's checkpoint
-    goes to worker 0 before the pod ends), then force-deleted (every process killed: no SIGTERM, no last copy). Each
-    time its replacement starts with an empty volume and resumes from the part worker 0 keeps of it, the newest tag
-    both workers hold; the job finishes, one failure used."""
+    goes to worker 0 before the pod ends), then force-deleted (every process killed: no SIGTERM, no last copy: worker
+    0 sees its connection drop, node-lost). Each time its replacement starts with an empty volume and resumes from the
+    part worker 0 keeps of it, the newest tag both workers hold; the job finishes, one failure used."""
     values = nossh_values(shared_dir, retries=1, steps=200, log_every=5, checkpoint_every=20)
     del values["checkpoints"]
     with Cluster(render(values)) as cluster:
@@ -158,6 +158,8 @@ def test_nossh_on_the_charts_default_storage_a_replaced_worker_resumes_from_the_
         attempts = cluster.checkpoint_dir(worker0) / "_job" / "attempts"
         book = Ledger({"DS_ATTEMPTS_DIR": str(attempts), "DS_JOB_UID": next(attempts.iterdir()).name})
         assert [book.verdict(n) for n in book.numbered()] == ["preemption", "failure", "success"]
+        assert book.cause_of(2)["cause"] == "node-lost", book.cause_of(2)  # it left without a SIGTERM
+        assert f"{worker1.hostname} left during the attempt without a SIGTERM" in book.cause_of(2)["reason"]
         assert [e.get("resumed") for e in book.history()[0]] == [None, "peer copy", "peer copy"]
 
 

@@ -36,7 +36,8 @@ CAUSES = {
                    "OOMKilled)", "the memory limit", "yes"),
     "evicted": ("make why (DisruptionTarget, an Evicted pod)", "the eviction API or node pressure", "never"),
     "pod-deleted": ("make why (a deleted pod)", "someone or something deleted a pod", "never"),
-    "node-lost": ("the ledger (an owner's pod that recorded nothing), make why (a node NotReady, DisruptionTarget)",
+    "node-lost": ("the ledger (an owner's pod that recorded nothing; a host whose channel to the owner dropped "
+                  "mid-attempt without a SIGTERM), make why (a node NotReady, DisruptionTarget)",
                   "the node went away, or a pod was killed outright", "yes"),
 }
 # The same error of these causes at the same step in two failed attempts in a row stops the job (deterministic).
@@ -91,6 +92,7 @@ class Facts:
     word: dict | None  # the first rank's own word of its end (an end record), by rule below
     killed: list[tuple[str, int]]  # (host, signal) of launchers whose rank a signal killed (not SIGTERM)
     step: int | None = None
+    lost: list[str] = field(default_factory=list)  # hosts that left during the attempt without a SIGTERM
     extra: dict = field(default_factory=dict)
 
 
@@ -110,7 +112,7 @@ def facts(attempt: int, status: int, evidence: list[dict], stopped: bool, oom: l
     word = (said or ([] if killed and not merged else ends))[:1]
     return Facts(attempt, status, stopped or any(e.get("stopped") for e in evidence), oom, merged,
                  min((h["time"] for h in hangs), default=None), word[0] if word else None, killed,
-                 max(steps, default=None))
+                 max(steps, default=None), [e["host"] for e in evidence if e.get("lost")])
 
 
 def signal_name(number: int) -> str:
@@ -143,6 +145,14 @@ def _hang(f: Facts) -> dict:
     culprit = f.hang["culprit"]
     return {"cause": "hang", "reason": f"attempt {f.attempt} ended: {f.hang['reason']}",
             "culprit": f"rank {culprit['rank']} on {culprit['host']}"}
+
+
+def _lost(f: Facts) -> dict:
+    hosts = ", ".join(f.lost[:3]) + (f" (+{len(f.lost) - 3} more)" if len(f.lost) > 3 else "")
+    return {"cause": "node-lost", "reason": f"attempt {f.attempt} ended: node-lost: {hosts} left during the attempt "
+                                            "without a SIGTERM or a word (its connection to the ledger's owner "
+                                            "dropped): a lost node, or its pod killed outright (a force delete: "
+                                            "`make why` reads which from the cluster)"}
 
 
 def _rank_word(f: Facts) -> dict:
@@ -189,6 +199,8 @@ ATTEMPT_RULES = (
     Rule("preempted", "a pod got SIGTERM during the attempt", lambda f: f.stopped, _preempted),
     Rule("oom-killed", "a host's memory cgroup counted an OOM kill during the attempt", lambda f: bool(f.oom), _oom),
     Rule("hang", "a watchdog's hang report, earlier than any rank's word", _hang_first, _hang),
+    Rule("node-lost", "a host left during the attempt without a SIGTERM: its channel to the ledger's owner dropped "
+         "(its peers' errors are echoes of it)", lambda f: bool(f.lost), _lost),
     Rule("a rank's", "a rank's end record: its exception, a refused configuration, a failed checkpoint write, a "
          "non-finite loss (one that failed because another did says less)", lambda f: f.word is not None, _rank_word),
     Rule("program-error", "a rank killed by a signal, which says nothing", lambda f: bool(f.killed), _killed),

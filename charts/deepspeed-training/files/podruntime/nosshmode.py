@@ -56,6 +56,8 @@ class Worker:
         self.ready: set[int] = set()
         self.running: set[int] = set()
         self.found: dict[int, dict] = {}
+        self.vanished: set[int] = set()  # workers whose connection dropped mid-attempt without a SIGTERM
+        self.stopping: set[int] = set()
         if self.hub is not None:
             threading.Thread(target=self.dispatch, name="dispatch", daemon=True).start()
 
@@ -66,6 +68,7 @@ class Worker:
             index, message = self.hub.inbox.get()
             kind = message["m"]
             if kind == "stopping":
+                self.stopping.add(index)
                 self.preempted(message.get("host") or self.hosts[index])
             with self.changed:
                 if kind in ("join", "end"):
@@ -74,6 +77,8 @@ class Worker:
                     self.holds[index] = message.get("holds")
                 elif kind == "gone":
                     self.ready.discard(index)
+                    if index in self.running and index not in self.stopping:
+                        self.vanished.add(index)
                     self.running.discard(index)
                 self.changed.notify_all()
 
@@ -137,6 +142,7 @@ class Worker:
                 self.barrier_log(f"ERROR: {plan}")
                 return protocol.EXIT_CONFIG_ERROR
             self.current, self.found, self.running = began, {}, set(ready)
+            self.vanished, self.stopping = set(), set()
             self.resume = plan.message() if plan else None
             for i in ready:
                 self.hub.send(i, channel.encode("go", env=began.env, **({"resume": self.resume} if plan else {})))
@@ -173,7 +179,10 @@ class Worker:
 
         self.wait_until(lambda: not self.running, time.monotonic() + self.timeout, waiting)
         with self.changed:
-            return [e for e in (own, *self.found.values()) if e]
+            run = attempt.env[protocol.ATTEMPT_ENV["run"]]
+            lost = [protocol.host_evidence(self.hosts[i].split(".")[0], run, None, None, [], None, lost=True)
+                    for i in sorted(self.vanished - set(self.found))]
+            return [e for e in (own, *self.found.values(), *lost) if e]
 
     # ---- every other worker
 

@@ -243,14 +243,15 @@ def valid_hang_report(report) -> dict | None:
 
 
 def host_evidence(host: str, run: str, status: int | None, hang: dict | None, ends: list[dict],
-                  step: int | None, oom_kills: int | None = None, stopped: bool = False) -> dict:
+                  step: int | None, oom_kills: int | None = None, stopped: bool = False, lost: bool = False) -> dict:
     """What one host knows of how an attempt ended (evidence.py): its DeepSpeed launcher's exit status (nossh; ssh
     has pdsh's), its watchdog's HangReport, its ranks' EndRecords, the last step rank 0 published there (if rank 0 is
     there), the OOM kills its memory cgroup has counted (since the container started) and whether its pod was
-    stopped by SIGTERM during the attempt."""
+    stopped by SIGTERM during the attempt. `lost`: the ledger's owner's word of a host that left during the attempt
+    without a SIGTERM (its channel dropped: a lost node, a pod killed outright)."""
     return {"v": VERSION, "kind": "evidence", "host": clean(host, 253), "run": clean(run, 64),
             "status": status, "hang": hang, "ends": ends, "step": count(step), "oom_kills": oom_kills,
-            "stopped": stopped is True}
+            "stopped": stopped is True, "lost": lost is True}
 
 
 def valid_host_evidence(evidence) -> dict | None:
@@ -262,7 +263,8 @@ def valid_host_evidence(evidence) -> dict | None:
                          count(evidence.get("status"), 256),
                          valid_hang_report(evidence.get("hang")) if evidence.get("hang") else None,
                          [e for e in (valid_end_record(r) for r in ends[:64]) if e], evidence.get("step"),
-                         count(evidence.get("oom_kills"), 10**9), evidence.get("stopped") is True)
+                         count(evidence.get("oom_kills"), 10**9), evidence.get("stopped") is True,
+                         evidence.get("lost") is True)
 
 
 def chart_constants() -> dict:

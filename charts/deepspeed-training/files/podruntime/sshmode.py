@@ -166,6 +166,8 @@ class Launcher:
         self.stopped = threading.Event()  # SIGTERM: the meeting waits no longer
         self.current: Began | None = None
         self.in_run = False
+        self.vanished: set[int] = set()  # workers whose channel dropped mid-run without a SIGTERM
+        self.stopping: set[int] = set()
         # The peer copy (per-worker volumes): the plan of the attempt (peercopy.py), made once the workers met.
         self.peer_copy = bool(env.get(peercopy.PORT_ENV)) and len(self.hosts) > 1
         self.resume: peercopy.Plan | None = None
@@ -244,7 +246,10 @@ class Launcher:
         while True:
             index, message = self.inbox.get()
             if message["m"] == "stopping":
+                self.stopping.add(index)
                 self.preempted(message.get("host") or self.hosts[index])
+            elif message["m"] == "gone" and self.in_run and index not in self.stopping:
+                self.vanished.add(index)
 
     def run(self, attempt: Began) -> int:
         """DeepSpeed's runner over pdsh (with pdsh's env: DeepSpeed appends its port to our ssh arguments), every rank
@@ -256,6 +261,7 @@ class Launcher:
         if self.prepare() != 0:
             return 1
         self.log(f"running ({attempt.env[protocol.ATTEMPT_ENV['run']]}): {' '.join(self.command)}")
+        self.vanished, self.stopping = set(), set()
         self.in_run = True
         try:
             status = self.child.run(self.command, pdsh_env({**self.env, **attempt.env}))
@@ -288,7 +294,10 @@ class Launcher:
         found, others = collect(done.stdout)
         for line in others:
             print(line, flush=True)
-        return found
+        # A worker whose channel dropped mid-run without a SIGTERM left: its pod killed outright, or its node lost
+        # (a replacement pod may already answer pdsh above, knowing nothing of the run).
+        return found + [protocol.host_evidence(self.hosts[i].split(".")[0], run, None, None, [], None, lost=True)
+                        for i in sorted(self.vanished)]
 
     def clear(self) -> None:
         self.log("clearing ranks still running on the workers")
