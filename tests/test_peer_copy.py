@@ -146,8 +146,15 @@ def test_two_neighbours_lost_stop_in_one_line_and_a_fresh_job_starts_from_the_be
              2: {"node": 2, "own": [], "keeps": None, "restored": None}}  # workers 1 and 2 are new pods
     why = peercopy.plan(found, 3)
     assert isinstance(why, str) and "\n" not in why
-    assert "not of two neighbouring ones" in why and "not starting from step 0" in why
-    assert "workers 1, 2 hold none, nor does the peer (worker 0, 1)" in why
+    assert "not starting from step 0" in why
+    assert "workers 1, 2 hold none, nor does the peer (worker 0, 1): the peer copies survive the loss of one pod, " \
+        "not of two neighbouring ones" in why
+    # One pod lost before its first copy landed: its peer is there, and says it kept nothing yet.
+    first = {0: {"node": 0, "own": ["step_00000010"], "keeps": None, "restored": None},
+             1: {"node": 1, "own": [], "keeps": None, "restored": None}}
+    why = peercopy.plan(first, 2)
+    assert "worker 1 holds none, nor does the peer (worker 0): the peer's own volume is there, so the lost pod's " \
+        "part had not been copied yet" in why, why
     # The bucket restored worker 1 and 2's pods: the tag they restored is the plan's, said so.
     restored = {"tag": "step_00000010", "from": "bucket"}
     found[1] |= {"own": ["step_00000010"], "restored": restored}

@@ -52,6 +52,9 @@ HANG = {"hangDetection": {"enabled": True, "startupSeconds": 120, "stepSeconds":
 # The collective timeout (1 min, the e2e values') below the hang budget: the timeout comes first.
 TIMEOUT_FIRST = {"hangDetection": {"enabled": True, "startupSeconds": 300, "stepSeconds": 100,
                                    "checkpointSeconds": 100}}
+# The values' claim removed (per-worker emptyDirs, the peer copy on), and a run long enough to lose a pod in it.
+DEFAULT_STORAGE = {"checkpoints": None, "train": {"config": {"steps": 300}}}
+LONG_TRAINER = {"train": {"args": ["--max_steps=300"]}}
 NAN = {"deepspeed": {"config": cpu_ds_config(stage=2, micro=4, gradient_clipping=0.0, optimizer={
     "type": "AdamW", "params": {"lr": 1e30, "weight_decay": 0.0, "torch_adam": True}})}}
 
@@ -85,6 +88,15 @@ def train_cases(mode: str) -> list[Case]:
              words="bad shape", env={"FAULT": "raise", "FAULT_STEP": "25", "FAULT_ATTEMPTS": "all"},
              values={"job": {"runRetries": 5}}, ci=mode == "nossh"),
         Case("preempted", mode, "train", "sigterm", "preempted", job="preempted"),
+        # The chart's default storage (an emptyDir per pod, no claim, no bucket): worker 1's pod is lost and a new
+        # pod with an empty volume takes its place; the job resumes from the copy worker 0 keeps of its part.
+        Case("pod-deleted", mode, "train", "replace-sigterm", "preempted", values=DEFAULT_STORAGE),
+        Case("pod-killed", mode, "train", "replace-kill", "node-lost", words="left during the attempt without a "
+             "SIGTERM", values=DEFAULT_STORAGE),
+        # Killed while its part is on the way to worker 0 (a model whose part takes a while to copy): the cut copy
+        # is never held, and the job resumes from one that is whole.
+        Case("killed-mid-copy", mode, "train", "kill-mid-copy", "node-lost", values=merge(DEFAULT_STORAGE, {
+            "train": {"config": {"model": {"n_layer": 4, "d_model": 512}}}})),
     ]
 
 
@@ -100,17 +112,23 @@ def trainer_cases(mode: str) -> list[Case]:
              values={"train": {"args": ["--no_such_option=1"]}}),
         Case("bad-value", mode, "trainer", "none", "config-error", job="config-error",  # argparse: exit 2
              values={"train": {"args": ["--max_steps=many"]}}),
+        Case("pod-deleted", mode, "trainer", "replace-sigterm", "preempted", values=LONG_TRAINER),
+        Case("pod-killed", mode, "trainer", "replace-kill", "node-lost", values=LONG_TRAINER),
     ] + ([Case("preempted", mode, "trainer", "sigterm", "preempted", job="preempted")] if mode == "ssh" else [])
 
 
-CASES = [*train_cases("ssh"), *train_cases("nossh"), *trainer_cases("ssh"), *trainer_cases("nossh")]
-
-
 def merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, dicts merged; a None removes the key."""
     out = dict(base)
     for key, value in extra.items():
+        if value is None:
+            out.pop(key, None)
+            continue
         out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+CASES = [*train_cases("ssh"), *train_cases("nossh"), *trainer_cases("ssh"), *trainer_cases("nossh")]
 
 
 def values_for(case: Case, shared_dir: Path) -> dict:
@@ -141,22 +159,36 @@ def ledger(cluster: Cluster, owner) -> tuple[list[dict], dict]:
     return causes, verdict
 
 
-def inject(case: Case, cluster: Cluster, victim_pod, owner_process, log) -> None:
-    """The case's fault, once rank 1 (on the second worker) is training."""
+def inject(case: Case, cluster: Cluster, victim_pod, owner_process, log):
+    """The case's fault, once rank 1 (on the second worker) is training; the replacement pod's process where the
+    fault replaces worker 1's pod (its controller's new pod: the same host, an empty volume)."""
     if case.fault in ("none", "program", "full"):
-        return
+        return None
     wait_for(lambda: any(s.startswith("training") and "step=" in s for s in cluster.rank_states(victim_pod)), 240,
              "rank 1 to train", log)
+    if case.fault.startswith("replace-") or case.fault == "kill-mid-copy":
+        keeper = cluster.checkpoint_dir(cluster.pods_of("worker")[0]) / "_job" / "peer" / "1"
+        wait_for(lambda: (keeper / "copy.json").is_file(), 240, "a part of worker 1's kept on worker 0", log)
+        if case.fault == "kill-mid-copy":  # a newer copy of worker 1's part arriving on worker 0: kill its sender
+            wait_for(lambda: any(keeper.glob(".incoming-*")), 240, "worker 1's next part on its way to worker 0",
+                     log, interval=0.01)
+        if case.fault == "replace-sigterm":
+            cluster.signal_main(victim_pod.process, signal.SIGTERM)
+            wait(victim_pod.process, timeout=120)
+        else:
+            cluster.kill(victim_pod)
+        return cluster.start(victim_pod, log_name=f"{victim_pod.name}-new", new_pod=True)
     time.sleep(0.5 if case.program == "train" else 0)
     if case.fault == "sigterm":
         target = owner_process if case.mode == "ssh" else None
         if target is None:
             target = victim_pod.process
         cluster.signal_main(target, signal.SIGTERM)
-        return
+        return None
     pids = cluster.rank_pids(victim_pod, ranks_only=True)
     assert pids, "no rank on the second worker"
     os.kill(pids[0], signal.SIGKILL if case.fault == "kill" else signal.SIGSTOP)
+    return None
 
 
 @contextmanager
@@ -190,7 +222,9 @@ def run_case(case: Case, shared_dir: Path, tmp_path: Path) -> tuple[str, str, di
             owner = workers[0]
             processes = [cluster.start(w) for w in workers]
         log = owner.log
-        inject(case, cluster, workers[1], processes[0], log)
+        replacement = inject(case, cluster, workers[1], processes[0], log)
+        if replacement is not None and case.mode == "nossh":
+            processes[1] = replacement
         codes = [wait(p, timeout=600) for p in processes]
         causes, verdict = ledger(cluster, owner)
         if case.fault == "stop":  # the stopped rank's process is left to the pod's end

@@ -553,16 +553,23 @@ def plan(found: dict[int, dict], nodes: int) -> Plan | str:
         return Plan(tag, peer, line, resumed)
     newest = candidates[0]
     missing = [n for n in range(nodes) if newest not in own[n] and copy[n] != newest]
-    lost = [n for n in missing if not own[n] and not copy[n]]
+    lost = [n for n in missing if not own[n] and not copy[n]]  # nothing of theirs anywhere
     shown = lost or missing
     keepers = [keeper_of(n, nodes) for n in shown]
-    return (f"no checkpoint is held by every worker, on its own volume or as the copy its peer keeps: worker"
-            f"{'s' if len(shown) > 1 else ''} {', '.join(map(str, shown))} "
-            + (f"hold{'' if len(shown) > 1 else 's'} none, nor does the peer (worker {', '.join(map(str, keepers))})"
-               if lost else f"hold{'' if len(shown) > 1 else 's'} no part of {newest} nor of an older tag every "
-               "worker holds") +
-            ": the peer copies survive the loss of one pod, not of two neighbouring ones (a checkpoints.objectStore "
-            "bucket survives both); not starting from step 0 over the other workers' checkpoints")
+    plural = len(shown) > 1
+    said = (f"no checkpoint is held by every worker, on its own volume or as the copy its peer keeps: worker"
+            f"{'s' if plural else ''} {', '.join(map(str, shown))} ")
+    if not lost:
+        said += f"hold{'' if plural else 's'} no part of {newest} nor of an older tag every worker holds"
+    else:
+        said += f"hold{'' if plural else 's'} none, nor does the peer (worker {', '.join(map(str, keepers))})"
+        if any(own[k] for k in keepers) and not any(not own[k] and k in lost for k in keepers):
+            said += (": the peer's own volume is there, so the lost pod's part had not been copied yet (the "
+                     "first copy lands a few seconds after the first checkpoint's commit)")
+        else:
+            said += ": the peer copies survive the loss of one pod, not of two neighbouring ones"
+    return said + ("; a checkpoints.objectStore bucket survives both; not starting from step 0 over the other "
+                   "workers' checkpoints")
 
 
 def prepare(ring: Ring, volume: Tree, tag: str | None, from_peer: bool) -> str:
