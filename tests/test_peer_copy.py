@@ -141,6 +141,10 @@ def test_the_plan_takes_the_newest_tag_every_worker_holds_and_sets_newer_ones_as
 def test_two_neighbours_lost_stop_in_one_line_and_a_fresh_job_starts_from_the_beginning(tmp_path):
     nothing = {n: {"node": n, "own": [], "keeps": None, "restored": None} for n in range(3)}
     assert peercopy.plan(nothing, 3).tag is None  # a fresh job: nobody holds anything
+    # Every volume lost after an attempt resumed from a checkpoint (two workers, both pods replaced): the owner
+    # remembers, and the job stops rather than train from step 0.
+    gone = peercopy.plan(nothing, 3, resumed_before="step_00000040")
+    assert isinstance(gone, str) and "resumed from step_00000040" in gone and "not starting from step 0" in gone
     found = {0: {"node": 0, "own": ["step_00000010"], "keeps": None, "restored": None},  # worker 0 keeps worker 1's
              1: {"node": 1, "own": [], "keeps": None, "restored": None},  # worker 1 keeps worker 2's
              2: {"node": 2, "own": [], "keeps": None, "restored": None}}  # workers 1 and 2 are new pods

@@ -38,6 +38,7 @@ class Worker:
         # 0's plan (the tag every worker resumes from) with the `go`; each worker prepares its volume before its run.
         self.peer = peer
         self.holds: dict[int, dict] = {}
+        self.resumed_before: str | None = None  # the tag an earlier plan of this owner resumed from
         self.resume: dict | None = None
         self.log, self.barrier_log = Log(f"worker {index}"), Log(f"barrier {index}")
         self.child = Child()
@@ -165,7 +166,10 @@ class Worker:
                 self.barrier_log(f"worker {index} sent no holdings: the peer copy's plan is skipped this attempt")
                 return None
             found[index] = valid
-        return peercopy.plan(found, len(self.hosts))
+        planned = peercopy.plan(found, len(self.hosts), self.resumed_before)
+        if isinstance(planned, peercopy.Plan) and planned.tag:
+            self.resumed_before = planned.tag
+        return planned
 
     def holdings(self) -> dict:
         return {"holds": peercopy.holdings(self.peer.ring, self.peer.replicator.volume)} if self.peer else {}

@@ -521,13 +521,19 @@ class Plan:
         return {"tag": self.tag, "peer": self.peer}
 
 
-def plan(found: dict[int, dict], nodes: int) -> Plan | str:
+def plan(found: dict[int, dict], nodes: int, resumed_before: str | None = None) -> Plan | str:
     """The newest tag every worker holds on its own volume or through its keeper, from every host's holdings; or
-    why there is none though some worker holds a checkpoint (one line)."""
+    why there is none though some worker holds a checkpoint, or though an earlier attempt of this owner resumed from
+    one (`resumed_before`: every volume lost since), in one line."""
     own = {n: set(found[n]["own"]) for n in range(nodes)}
     copy = {kept_by(n, nodes): found[n]["keeps"] for n in range(nodes)}  # worker -> the tag its keeper holds of it
     candidates = sorted(set().union(*own.values()) | {t for t in copy.values() if t}, key=checkpoints.order,
                         reverse=True)
+    if not candidates and resumed_before:
+        return (f"no worker holds a checkpoint any more, though attempts of this job resumed from {resumed_before}: "
+                "every worker's volume was lost (their pods replaced together), and the peer copies survive the loss "
+                "of one pod, not of two neighbouring ones; a checkpoints.objectStore bucket survives both; not "
+                "starting from step 0")
     if not candidates:
         return Plan(None, [], "no worker holds a complete checkpoint: the run starts from the beginning")
     for tag in candidates:

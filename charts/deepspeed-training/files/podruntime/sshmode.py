@@ -171,6 +171,7 @@ class Launcher:
         # The peer copy (per-worker volumes): the plan of the attempt (peercopy.py), made once the workers met.
         self.peer_copy = bool(env.get(peercopy.PORT_ENV)) and len(self.hosts) > 1
         self.resume: peercopy.Plan | None = None
+        self.resumed_before: str | None = None  # the tag an earlier plan of this launcher resumed from
 
     def meet(self) -> Began | int:
         began = self.ledger.begin()
@@ -213,7 +214,10 @@ class Launcher:
             self.log(f"no holdings from worker(s) {', '.join(map(str, missing[:10]))}: the peer copy's plan is skipped "
                      "this attempt")
             return None
-        return peercopy.plan(found, nodes)
+        planned = peercopy.plan(found, nodes, self.resumed_before)
+        if isinstance(planned, peercopy.Plan) and planned.tag:
+            self.resumed_before = planned.tag
+        return planned
 
     def prepare(self) -> int:
         """Every worker's volume made ready for the plan's tag (one pdsh round); 0, or 1 with what went wrong."""
