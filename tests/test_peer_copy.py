@@ -96,7 +96,7 @@ def test_a_part_reaches_its_keeper_and_comes_back_to_a_new_pod_of_its_worker(wor
     found = workers.holdings()
     assert found[1]["own"] == [] and found[0]["keeps"] == tag
     plan = peercopy.plan(found, 2)
-    assert plan.tag == tag and plan.peer == [1] and plan.resumed == "peer copy", plan
+    assert plan.tag == tag and plan.peer == [1] and plan.resumed == "peer copy" and plan.prepares, plan
     assert "worker 1 from the copy its peer keeps (worker 0)" in plan.line
     said = peercopy.prepare(workers.rings[1], workers.volumes[1], plan.tag, True)
     assert f"fetched its part of {tag} from worker 0" in said
@@ -129,7 +129,7 @@ def test_the_plan_takes_the_newest_tag_every_worker_holds_and_sets_newer_ones_as
         workers.new_pod(1, tmp_path)
         plan = peercopy.plan(workers.holdings(), 3)
         assert plan.tag == "step_00000010" and plan.peer == [1]
-        assert "step_00000020 not held by every worker: set aside" in plan.line
+        assert "step_00000020 not held by every worker: set aside" in plan.line and plan.prepares
         said = peercopy.prepare(workers.rings[0], workers.volumes[0], plan.tag, False)
         assert "set aside step_00000020" in said and "`latest` names step_00000010" in said
         assert checkpoints.complete_tags(workers.volumes[0]) == ["step_00000010"]
@@ -165,6 +165,7 @@ def test_two_neighbours_lost_stop_in_one_line_and_a_fresh_job_starts_from_the_be
     found[2] |= {"own": ["step_00000010"], "restored": restored}
     plan = peercopy.plan(found, 3)
     assert plan.tag == "step_00000010" and plan.peer == [] and plan.resumed == "bucket"
+    assert not plan.prepares  # every volume holds it, none a newer one: nothing to make ready
     assert "worker 1 from what it restored from the bucket" in plan.line
 
 

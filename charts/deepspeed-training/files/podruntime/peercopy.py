@@ -516,9 +516,16 @@ class Plan:
     peer: list[int]  # the workers that fetch their part from their keeper
     line: str
     resumed: str = ""  # where the parts come from: one of protocol.RESUMED_FROM (the ledger's, for `make why`)
+    newer: list[str] = field(default_factory=list)  # tags some worker holds that are newer than `tag`: set aside
 
     def message(self) -> dict:
         return {"tag": self.tag, "peer": self.peer}
+
+    @property
+    def prepares(self) -> bool:
+        """Whether any volume needs making ready (a part to fetch, a newer tag to set aside): most retries in place
+        need nothing, and an ssh launcher then spares the workers a round."""
+        return bool(self.tag and (self.peer or self.newer))
 
 
 def plan(found: dict[int, dict], nodes: int, resumed_before: str | None = None) -> Plan | str:
@@ -556,7 +563,7 @@ def plan(found: dict[int, dict], nodes: int, resumed_before: str | None = None) 
             if newer else "")
         own_volumes, peer_copy, bucket = protocol.RESUMED_FROM
         resumed = peer_copy if peer else (bucket if "bucket" in restored.values() else own_volumes)
-        return Plan(tag, peer, line, resumed)
+        return Plan(tag, peer, line, resumed, newer)
     newest = candidates[0]
     missing = [n for n in range(nodes) if newest not in own[n] and copy[n] != newest]
     lost = [n for n in missing if not own[n] and not copy[n]]  # nothing of theirs anywhere

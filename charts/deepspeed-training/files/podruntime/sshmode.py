@@ -222,7 +222,7 @@ class Launcher:
     def prepare(self) -> int:
         """Every worker's volume made ready for the plan's tag (one pdsh round); 0, or 1 with what went wrong."""
         plan = self.resume
-        if plan is None or plan.tag is None or not checkpoints.is_tag_name(plan.tag):
+        if plan is None or not plan.prepares or not checkpoints.is_tag_name(plan.tag):
             return 0
         peer = ",".join(str(n) for n in plan.peer)
         done = pdsh(self.hosts, [*POD_PROGRAM, "peer-prepare", shlex.quote(plan.tag), *([peer] if peer else [])],
