@@ -721,3 +721,30 @@ def test_every_env_name_the_chart_or_deepspeed_sets_is_reserved():
         assigned |= set(accelerator.visible_devices_envs(None))
     assert assigned - {"OMP_NUM_THREADS"} == set(LAUNCHER_ENV)  # OMP_NUM_THREADS: only with --bind_cores_to_rank
     assert set(LAUNCHER_ENV) <= reserved
+
+
+@pytest.mark.parametrize("mode", ["ssh", "nossh"])
+def test_the_peer_copy_is_on_for_per_worker_volumes_only_and_never_without_the_network_policy(mode):
+    """One rule, the chart's (deepspeed-training.peerCopy): several workers without a shared claim, the value, and
+    the NetworkPolicy that keeps the copies among the release's pods; its port beside the channel's, refused where
+    it would be privileged."""
+    def peer_port(values):
+        docs = render_chart({"launchMode": mode, **values})
+        worker = next(w for w in docs if w["kind"] in ("StatefulSet", "Job")
+                      and w["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "worker")
+        ports = {p["name"]: p["containerPort"] for p in container(worker).get("ports", [])}
+        assert ("peer-copy" in ports) == ("DS_PEER_COPY_PORT" in env_of(worker))
+        return env_of(worker).get("DS_PEER_COPY_PORT")
+
+    assert peer_port({"worker": {"replicas": 2}}) == "29498"  # deepspeed.masterPort - 2
+    assert peer_port({"worker": {"replicas": 2}, "checkpoints": {"volumeClaimSpec": {
+        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}}) == "29498"
+    assert peer_port({"worker": {"replicas": 1}}) is None  # one worker: nothing to copy to
+    assert peer_port({"worker": {"replicas": 2}, "checkpoints": {"existingClaim": "shared"}}) is None
+    assert peer_port({"worker": {"replicas": 2}, "checkpoints": {"peerCopy": False}}) is None
+    assert peer_port({"worker": {"replicas": 2}, "networkPolicy": {"enabled": False},
+                      "allowSecurityRelaxations": True}) is None
+    with pytest.raises(HelmError, match="leaves no unprivileged port for the peer copy"):
+        render_chart({"launchMode": mode, "worker": {"replicas": 2}, "deepspeed": {"masterPort": 1026}})
+    with pytest.raises(HelmError, match="is also the peer copy's port"):
+        render_chart({"launchMode": mode, "worker": {"replicas": 2}, "progress": {"metricsPort": 29498}})

@@ -256,3 +256,20 @@ def test_status_reads_the_release_progress_configmap_or_says_in_one_line_why_not
                        capsys=capsys)
     assert code == 1 and err.count("\n") == 1
     assert err.startswith("error: cannot read ml-dev/example-deepspeed-training-progress: ConfigException:"), err
+
+
+def test_plan_says_where_checkpoints_live_and_what_the_peer_copy_costs(tree, capsys):
+    """The chart decides whether the peer copy is on (its env on the workers); the plan reads it from the render and
+    prices it from the model's estimate: about one part per worker."""
+    code, out, err = run("plan", "--env", "dev", "--project", "example", capsys=capsys)
+    assert code == 0, err
+    assert "checkpoints per-worker volumes (an emptyDir per worker pod); peer copy on: each worker's volume also " \
+        "keeps its neighbour's newest part (~1 MiB per worker" in out, out
+    set_key("dev.yaml", "chart", "checkpoints", "peerCopy", False)(tree)
+    code, out, err = run("plan", "--env", "dev", "--project", "example", capsys=capsys)
+    assert code == 0, err
+    assert "peer copy off (checkpoints.peerCopy: false): a lost pod's part of every checkpoint is lost with it" in out
+    set_key("dev.yaml", "chart", "checkpoints", "existingClaim", "checkpoints-dev")(tree)
+    code, out, err = run("plan", "--env", "dev", "--project", "example", capsys=capsys)
+    assert code == 0, err
+    assert "checkpoints the shared claim checkpoints-dev" in out and "peer copy" not in out
