@@ -97,6 +97,10 @@ def train_cases(mode: str) -> list[Case]:
         # is never held, and the job resumes from one that is whole.
         Case("killed-mid-copy", mode, "train", "kill-mid-copy", "node-lost", values=merge(DEFAULT_STORAGE, {
             "train": {"config": {"model": {"n_layer": 4, "d_model": 512}}}})),
+        # Three workers, two neighbouring pods (1 and 2) lost at once: worker 2's part was on worker 1's volume.
+        # The job stops in one line (a config error: never retried), never training from step 0.
+        Case("two-neighbours-lost", mode, "train", "replace-two-kill", "node-lost", job="config-error",
+             values=merge(DEFAULT_STORAGE, {"worker": {"replicas": 3}})),
     ]
 
 
@@ -175,6 +179,13 @@ def inject(case: Case, cluster: Cluster, victim_pod, owner_process, log):
         if case.fault == "replace-sigterm":
             cluster.signal_main(victim_pod.process, signal.SIGTERM)
             wait(victim_pod.process, timeout=120)
+        elif case.fault == "replace-two-kill":  # worker 2 too, once worker 1 keeps a part of its
+            wait_for(lambda: (cluster.checkpoint_dir(victim_pod) / "_job" / "peer" / "2" / "copy.json").is_file(),
+                     240, "a part of worker 2's kept on worker 1", log)
+            neighbour = cluster.pods_of("worker")[2]
+            cluster.kill(victim_pod)
+            cluster.kill(neighbour)
+            cluster.start(neighbour, log_name=f"{neighbour.name}-new", new_pod=True)
         else:
             cluster.kill(victim_pod)
         return cluster.start(victim_pod, log_name=f"{victim_pod.name}-new", new_pod=True)
