@@ -479,7 +479,8 @@ def culprit_seen(namespace: str, seen: dict) -> bool:
 
 def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
     """nossh on per-pod volumes (no shared diagnostics/): worker 1's report reaches worker 0 at the start barrier,
-    whose sidecar names the culprit in the ConfigMap as the retry in the pods starts."""
+    whose sidecar names the culprit in the ConfigMap as the retry in the pods starts. Then worker 1's pod is deleted
+    and its replacement resumes from the copy worker 0 keeps of its part."""
     install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 1},
             hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
     wait_for(lambda: "INFO step 40/" in kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-"
@@ -501,6 +502,20 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
     assert lines[0].startswith(f"== pod {NOSSH_WORKERS}-1-") and len(lines) > 2, lines
     assert all("[rank 1 attempt 1] " in line for line in lines[1:]), lines
     print(f"make why ({seconds:.2f}s):\n{text}")
+    # On these per-pod volumes (the chart's default storage) worker 1's pod is deleted: the Job controller's new
+    # pod starts with an empty volume and resumes from the part worker 0 keeps of it (the peer copy).
+    worker0_log = lambda: kubectl("logs", nossh_pod(namespace, 0), "-c", "worker", namespace=namespace,  # noqa: E731
+                                  check=False)
+    wait_for(lambda: "keeping worker 1's part" in worker0_log(), 120, "a part of worker 1's kept on worker 0",
+             lambda: diagnose(namespace))
+    deleted = time.monotonic()
+    kubectl("delete", "pod", nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
+    plan = r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)"
+    resumed = wait_for(lambda: (m := re.search(plan + r"[\s\S]*resumed from /checkpoints/(step_\d+) at step",
+                                                worker0_log())) and m, 240, "the new pod to resume from the peer copy",
+                       lambda: diagnose(namespace))
+    assert resumed[1] == resumed[2], resumed[0][-2000:]
+    print(f"worker pod deleted (nossh): resumed from the peer copy {time.monotonic() - deleted:.0f}s later")
     stop_endless_job(namespace)
 
 

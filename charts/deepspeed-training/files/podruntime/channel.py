@@ -11,7 +11,7 @@ drops). Messages:
                  stopping {index, host}    my pod got SIGTERM: the attempt is a preemption (before my ranks stop)
   hub -> spoke   go {env, resume?}         the attempt begins: its env for every rank (and the peer copy's plan:
                                            the tag every worker resumes from, who fetches it from its peer)
-                 stop {cause}              a stop rule ends the job
+                 stop {cause, reason}      a stop rule ends the job (why, in the ledger's words)
 ssh: every worker's agent serves a Listener; the launcher keeps a Spoke connected to each (index: the worker's), and
 the agent sends `stopping` over it when its pod gets SIGTERM, before its ranks stop. The ranks' own processes start
 and end with each attempt; the channel does not.
@@ -50,6 +50,8 @@ def decode(line: bytes | str) -> dict | None:
         message["env"] = {str(k): str(v) for k, v in value["env"].items()}
     if value.get("cause") is not None:
         message["cause"] = clean(value["cause"], 64)
+    if value.get("reason") is not None:
+        message["reason"] = clean(value["reason"], 1000)
     for key in ("holds", "resume"):  # the peer copy's (peercopy.py types them where it reads them)
         if isinstance(value.get(key), dict):
             message[key] = value[key]

@@ -93,6 +93,13 @@ def _int(env, name: str, default: int) -> int:
     return int(value) if value.isdigit() else default
 
 
+def last_word(state: str, cause: str | None, reason: str | None, culprit: str | None = None) -> str:
+    """A container's termination message: `state | cause | reason | culprit ...` (the ledger's owner's, and a worker's
+    that a stop rule ended, which the Job controller may name instead)."""
+    termination = " | ".join(p for p in (state, cause, reason, f"culprit {culprit}" if culprit else "") if p)
+    return clean(termination, host.TERMINATION_BYTES)
+
+
 class Ledger:
     def __init__(self, env=os.environ, log: Log | None = None):
         self.log = log or Log("attempts")
@@ -307,8 +314,7 @@ class Ledger:
                   **{key: counter[protocol.ATTEMPT_ENV[key]] for key in protocol.COUNTER_KEYS
                      if protocol.ATTEMPT_ENV[key] in counter}}
         self.counter = counter
-        termination = " | ".join(p for p in (state, cause, reason, f"culprit {culprit}" if culprit else "") if p)
-        host.termination_message(clean(termination, host.TERMINATION_BYTES))
+        host.termination_message(last_word(state, cause, reason, culprit))
         if self.state is not None:
             self.state.write(protocol.VERDICT, json.dumps(record))
 

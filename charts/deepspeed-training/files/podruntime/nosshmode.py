@@ -18,7 +18,7 @@ import time
 
 from podruntime import channel, evidence, host, peercopy, protocol, ranks
 from podruntime.causes import STOPPED
-from podruntime.ledger import Began, Ledger, Stopped
+from podruntime.ledger import Began, Ledger, Stopped, last_word
 from podruntime.loop import Child
 from podruntime.tenantfiles import Tree
 from podruntime.text import Log
@@ -131,7 +131,7 @@ class Worker:
             ready, self.ready = self.ready, set()
             if isinstance(began, Stopped):
                 for i in ready:
-                    self.hub.send(i, channel.encode("stop", cause=began.cause))
+                    self.hub.send(i, channel.encode("stop", cause=began.cause, reason=began.line))
                 self.barrier_log(began.line)
                 return protocol.EXIT_NOT_RETRIED
             plan = self.plan()
@@ -203,6 +203,8 @@ class Worker:
             if message["m"] == "stop":
                 cause = message.get("cause") or "a stop rule"
                 self.barrier_log(f"worker 0 says the job stops ({cause}: its log says why): failing the job")
+                # The Job controller may name this pod's exit as the Job's failure: its last word says why too.
+                host.termination_message(last_word("failed", message.get("cause"), message.get("reason")))
                 return protocol.EXIT_NOT_RETRIED
             env = attempt_env(message.get("env")) if message["m"] == "go" else None
             if env is not None and env[protocol.ATTEMPT_ENV["attempt"]].isdigit():
