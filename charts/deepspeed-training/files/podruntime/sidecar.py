@@ -396,16 +396,14 @@ def samples(pod: Pod, progress: bool, job: bool, uploads: dict | None = None):
     record = (pod.record(protocol.PROGRESS) or {}) if progress else {}
     verdict = (pod.record(protocol.VERDICT) or {}) if job else {}
     ranks = pod.ranks()
+    statuses = {"with objectStore": uploads, "with peerCopy": pod.record(protocol.PEER_STATUS)}
     for name, label, doc, where, key in METRICS:
         if where == "node rank 0" and not progress or where == "the ledger's owner" and not job:
             continue
-        if where == "with objectStore":
-            if uploads is not None and (value := protocol.number(uploads.get(key))) is not None:
-                yield name, label, doc, [("", value)]
-            continue
-        if where == "with peerCopy":
-            peer = pod.record(protocol.PEER_STATUS) or {}
-            if (value := protocol.number(peer.get(key))) is not None and 0 <= value < 1e15:
+        if where in statuses:  # the uploader's status, or the peer copy's (read once per scrape)
+            status = statuses[where] or {}
+            if (value := protocol.number(status.get(key))) is not None and (where != "with peerCopy"
+                                                                            or 0 <= value < 1e15):
                 yield name, label, doc, [("", value)]
             continue
         if where == "every worker":
