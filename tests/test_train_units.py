@@ -11,6 +11,7 @@ from train import dsconfig
 from train.config import ConfigError, DataConfig, ModelConfig, parse_args
 from train.data import DataError, SyntheticData, TokenFileData, samples
 from train.layout import Layout, LayoutError
+from train.report import Stragglers
 from train.tokenize import decode, encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -350,3 +351,41 @@ def test_goodput_splits_every_attempt_and_leaves_odd_records_out(tmp_path, monke
                      "restore": 0.0 + 1.0 + 1.5, "save": 1.0 + 0.5 + 0.5, "hung": 12.0, "wall": 81.5,
                      "unaccounted": 1.0, "attempts": 3}, split
     assert goodput.describe(split).startswith("goodput 38.0% | wall 81.5s = productive 31.0s + start-up 25.0s")
+
+
+class _Lines:
+    """A logger that keeps what Stragglers warns."""
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, line):
+        self.lines.append(line)
+
+
+def test_a_straggler_over_the_ratio_for_a_run_of_steps_is_named_once_and_ranks_inside_it_never():
+    lines, hosts = _Lines(), ["w-0", "w-1", "w-2", "w-3"]
+    stragglers = Stragglers(lines, hosts)
+    # Balanced ranks whose noise stays under the ratio: nobody, however long.
+    for step in range(200):
+        stragglers.step([0.100, 0.100 * (1 + 0.19 * (step % 2)), 0.095, 0.105])
+    assert lines.lines == []
+    # Rank 2 over it for one step short of a run, then back: the run starts again.
+    for _ in range(Stragglers.RUN - 1):
+        stragglers.step([0.100, 0.100, 0.300, 0.100])
+    stragglers.step([0.100, 0.100, 0.100, 0.100])
+    for _ in range(Stragglers.RUN - 1):
+        stragglers.step([0.100, 0.100, 0.300, 0.100])
+    assert lines.lines == []
+    # The run completes: one line with its host and its time against the median; then quiet for QUIET_S.
+    for _ in range(3 * Stragglers.RUN):
+        stragglers.step([0.100, 0.100, 0.300, 0.100])
+    assert lines.lines == ["straggler: rank 2 (w-2) took 300 ms of its own compute per step against a median of "
+                           "100 ms (3.0x) for the last 10 steps: every rank waits for it"]
+
+
+def test_a_pipelines_unmeasured_steps_name_no_straggler():
+    lines = _Lines()
+    stragglers = Stragglers(lines, ["w-0", "w-1"])
+    for _ in range(3 * Stragglers.RUN):
+        stragglers.step([0.0, 0.0])
+    assert lines.lines == []

@@ -48,13 +48,17 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         ckpt = volumes[0]  # rank 0's: the run's metrics.json
         wait_for(lambda: all(checkpoint.is_complete(v / "step_00000040") for v in volumes), 180, "checkpoint 40",
                  launcher.log)
-        assert "straggler" not in launcher.log()  # a healthy run names no rank
+        # What a healthy run names is the machine's noise (a loaded 2-core host may slow one rank 1.4x for ten
+        # steps: a real straggler there); tests/test_train_units.py proves ranks inside the ratio are never named.
+        # Only a line written after the slowing starts counts.
+        healthy = len(launcher.log())
         victim = cluster.rank_pids(workers[1], ranks_only=True)[0]
         stop = threading.Event()
         slowing = threading.Thread(target=duty_cycle, args=(victim, stop))
         slowing.start()
         try:
-            wait_for(lambda: "straggler: rank 1 " in launcher.log(), 90, "rank 1 named as a straggler", launcher.log)
+            wait_for(lambda: "straggler: rank 1 " in launcher.log()[healthy:], 90, "rank 1 named as a straggler",
+                     launcher.log)
         finally:
             stop.set()
             slowing.join()
