@@ -124,11 +124,15 @@ def test_the_plan_takes_the_newest_tag_every_worker_holds_and_sets_newer_ones_as
         for i in range(3):
             write_tag(workers.volumes[i], 10)
             workers.senders[i].step()
-        for i in (0, 2):
-            write_tag(workers.volumes[i], 20)  # worker 1's part of step 20 was lost with its pod
+        for i in range(3):
+            write_tag(workers.volumes[i], 20)  # worker 1's part of step 20 is lost with its pod below
+        every = peercopy.plan(workers.holdings(), 3)
+        assert every.line == "resuming from step_00000020: every worker from its own volume" and not every.peer
         workers.new_pod(1, tmp_path)
         plan = peercopy.plan(workers.holdings(), 3)
         assert plan.tag == "step_00000010" and plan.peer == [1]
+        assert plan.line.startswith("resuming from step_00000010: worker 1 from the copy its peer keeps (worker 0); "
+                                    "the other workers from their own volumes"), plan.line
         assert "step_00000020 not held by every worker: set aside" in plan.line and plan.prepares
         said = peercopy.prepare(workers.rings[0], workers.volumes[0], plan.tag, False)
         assert "set aside step_00000020" in said and "`latest` names step_00000010" in said

@@ -555,8 +555,9 @@ def plan(found: dict[int, dict], nodes: int, resumed_before: str | None = None) 
                  f"{', '.join(str(keeper_of(n, nodes)) for n in peer)})"] if peer else []
         parts += [f"worker {n} from what it restored from the {source}" for n, source in restored.items()]
         rest = nodes - len(peer) - len(restored)
-        parts += [f"{'every' if rest == nodes else 'the other'} worker{'s' if rest != 1 else ''} from "
-                  f"{'their' if rest != 1 else 'its'} own volume{'s' if rest != 1 else ''}"] if rest else []
+        parts += ["every worker from its own volume" if rest == nodes else
+                  f"the other worker{'s' if rest > 1 else ''} from {'their' if rest > 1 else 'its'} own "
+                  f"volume{'s' if rest > 1 else ''}"] if rest else []
         newer = [t for t in candidates if checkpoints.order(t) > checkpoints.order(tag)]
         line = f"resuming from {tag}: " + "; ".join(parts) + (
             f" ({', '.join(newer[:3])}{' ...' if len(newer) > 3 else ''} not held by every worker: set aside)"
