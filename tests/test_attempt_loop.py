@@ -7,6 +7,7 @@ train.rankstate; the e2e tier runs the real one (tests/e2e)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,19 +106,53 @@ def test_the_owner_decides_once_from_every_workers_evidence(tmp_path):
     assert workers.log(0).count("attempts: attempt") == 2
 
 
-def test_a_sigterm_to_any_worker_is_a_preemption_on_per_pod_volumes(tmp_path):
+def test_a_sigterm_to_any_worker_is_a_preemption_on_per_pod_volumes_and_ends_the_run_everywhere_at_once(tmp_path):
     """Worker 1 (not the ledger's owner) gets SIGTERM mid-run: it tells worker 0 over the channel before its ranks
-    stop, so the attempt is a preemption and spends nothing (retries 0), though worker 1's /tmp is its own."""
-    gone = tmp_path / "worker-1-gone"
-    workers = Workers(tmp_path, retries=0, FAKE_0_1=f"peer:{gone}", FAKE_1_1="wait")
-    wait_for(lambda: "running (run-0001" in workers.log(1), 60, "the first attempt", workers.both)
+    stop, so the attempt is a preemption and spends nothing (retries 0), though worker 1's /tmp is its own. Worker
+    0's rank would wait for its peer forever (a rendezvous, a collective): worker 0 ends its run at once."""
+    workers = Workers(tmp_path, retries=0, FAKE_0_1="wait", FAKE_1_1="wait")
+    wait_for(lambda: "running (run-0001" in workers.log(0) and "running (run-0001" in workers.log(1), 60,
+             "the first attempt", workers.both)
     os.kill(workers.processes[1].pid, signal.SIGTERM)
     assert workers.processes[1].wait(timeout=60) == protocol.EXIT_STOPPED, workers.both()
-    gone.touch()  # worker 0's ranks lose their peers: its run fails
     wait_for(lambda: workers.causes(), 60, "attempt 1's cause", workers.both)
     assert workers.causes()[0]["cause"] == "preempted", workers.causes()
     assert "got SIGTERM: attempt 1 is a preemption" in workers.log(0)
+    assert re.search(r"worker 0: \S+ got SIGTERM: run-0001-\w+ cannot go on: stopping this worker's ranks of it",
+                     workers.log(0)), workers.both()
+    assert "DeepSpeed exited with status 143" in workers.log(0), workers.both()
     os.kill(workers.processes[0].pid, signal.SIGTERM)  # the Job's end: nothing more to see here
+    workers.wait()
+
+
+def test_a_worker_that_vanishes_mid_run_is_node_lost_and_its_peers_run_ends_at_once(tmp_path):
+    """Worker 1's pod is killed outright (its processes SIGKILLed: no SIGTERM, no word): worker 0 sees its channel
+    drop mid-run, ends its own run at once and decides node-lost; the retry waits for worker 1 again."""
+    workers = Workers(tmp_path, retries=1, FAKE_0_1="wait", FAKE_1_1="wait")
+    wait_for(lambda: "running (run-0001" in workers.log(0) and "running (run-0001" in workers.log(1), 60,
+             "the first attempt", workers.both)
+    os.killpg(workers.processes[1].pid, signal.SIGKILL)
+    wait_for(lambda: workers.causes(), 60, "attempt 1's cause", workers.both)
+    assert workers.causes()[0]["cause"] == "node-lost", workers.causes()
+    assert re.search(r"left without a word \(its connection dropped\): run-0001-\w+ cannot go on", workers.log(0)), \
+        workers.both()
+    os.kill(workers.processes[0].pid, signal.SIGTERM)
+    workers.wait()
+
+
+def test_a_sigterm_to_worker_0_ends_every_workers_run(tmp_path):
+    """Worker 0 (the ledger's owner) gets SIGTERM: a preemption, and it tells worker 1 to stop its ranks now
+    (`halt`): worker 1's rank would otherwise wait for worker 0's forever."""
+    workers = Workers(tmp_path, retries=0, FAKE_0_1="wait", FAKE_1_1="wait")
+    wait_for(lambda: "running (run-0001" in workers.log(0) and "running (run-0001" in workers.log(1), 60,
+             "the first attempt", workers.both)
+    os.kill(workers.processes[0].pid, signal.SIGTERM)
+    assert workers.processes[0].wait(timeout=60) == protocol.EXIT_STOPPED, workers.both()
+    wait_for(lambda: "DeepSpeed exited with status 143" in workers.log(1), 30, "worker 1's run to end", workers.both)
+    assert re.search(r"worker 1: worker 0 says \S+ got SIGTERM: run-0001-\w+ cannot go on", workers.log(1)), \
+        workers.both()
+    assert workers.causes()[0]["cause"] == "preempted", workers.causes()
+    os.kill(workers.processes[1].pid, signal.SIGTERM)
     workers.wait()
 
 

@@ -12,6 +12,9 @@ drops). Messages:
   hub -> spoke   go {env, resume?}         the attempt begins: its env for every rank (and the peer copy's plan:
                                            the tag every worker resumes from, who fetches it from its peer)
                  stop {cause, reason}      a stop rule ends the job (why, in the ledger's words)
+                 halt {run, reason}        a host left run `run` (its pod got SIGTERM, or its connection dropped
+                                           mid-run): stop your ranks of it now, or never start them (the ranks
+                                           left would wait for it in their rendezvous or a collective: minutes)
 ssh: every worker's agent serves a Listener; the launcher keeps a Spoke connected to each (index: the worker's), and
 the agent sends `stopping` over it when its pod gets SIGTERM, before its ranks stop. The ranks' own processes start
 and end with each attempt; the channel does not.
@@ -23,6 +26,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from podruntime import protocol
 from podruntime.tenantfiles import parse_json
@@ -30,7 +34,7 @@ from podruntime.text import clean, complete_lines
 
 LINE_BYTES = 192 * 1024  # a message: an evidence record (64 KiB of hang report, 64 end records) and its envelope
 RETRY_S = 0.25  # a refused connection costs nothing: the spoke tries again at once
-KINDS = {"join", "end", "stopping", "go", "stop"}
+KINDS = {"join", "end", "stopping", "go", "stop", "halt"}
 
 
 def encode(kind: str, **fields) -> bytes:
@@ -148,10 +152,12 @@ def listen(port: int) -> socket.socket:
 
 class Spoke:
     """One connection to a host's hub or listener (nossh: a worker's to worker 0; ssh: the launcher's to each
-    worker), made again when it drops; its messages in `inbox` (shared by several spokes: (index, message))."""
+    worker), made again when it drops; its messages in `inbox` (shared by several spokes: (index, message)), but a
+    `halt` to `on_halt` at once, in a thread of its own (the inbox is read between runs only)."""
 
-    def __init__(self, index: int, host0: str, port: int, inbox: queue.Queue | None = None):
-        self.index, self.host0, self.port = index, host0, port
+    def __init__(self, index: int, host0: str, port: int, inbox: queue.Queue | None = None,
+                 on_halt: Callable[[dict], None] | None = None):
+        self.index, self.host0, self.port, self.on_halt = index, host0, port, on_halt
         self.shared = inbox is not None
         self.inbox: queue.Queue = inbox if inbox is not None else queue.Queue()
         self.sock: socket.socket | None = None
@@ -193,7 +199,9 @@ class Spoke:
             *lines, buffer = (buffer + data).split(b"\n")
             for line in lines:
                 message = decode(line)
-                if message is not None:
+                if message is not None and message["m"] == "halt" and self.on_halt is not None:
+                    threading.Thread(target=self.on_halt, args=(message,), name="halt", daemon=True).start()
+                elif message is not None:
                     self.put(message)
         if self.sock is sock:
             self.sock = None

@@ -22,6 +22,7 @@ protocol.EXIT_NOT_RETRIED when a stop rule ends the job, protocol.EXIT_CONFIG_ER
 
 import signal
 import subprocess
+import threading
 from typing import Protocol
 
 from podruntime import host, protocol
@@ -58,25 +59,42 @@ class Mode(Protocol):
 
 class Child:
     """A program the loop runs and waits for (DeepSpeed's runner or launcher), with a trapped signal handled
-    meanwhile."""
+    meanwhile. A run has a key (its run ID): a run cancelled by key never starts, and is ended if it runs (another
+    host left it)."""
 
     def __init__(self):
         self.process: subprocess.Popen | None = None
+        self.key = ""
+        self.cancelled: set[str] = set()
+        self.lock = threading.Lock()
 
-    def run(self, argv: list[str], env: dict[str, str]) -> int:
-        try:
-            self.process = subprocess.Popen(argv, env=env)
-        except OSError as err:
-            print(f"cannot start {argv[0]}: {err.strerror}", flush=True)
-            return 127
+    def run(self, argv: list[str], env: dict[str, str], key: str = "") -> int:
+        with self.lock:  # a cancel() either comes first (no start) or sees the process
+            if key and key in self.cancelled:
+                return 128 + signal.SIGTERM
+            try:
+                self.process, self.key = subprocess.Popen(argv, env=env), key
+            except OSError as err:
+                print(f"cannot start {argv[0]}: {err.strerror}", flush=True)
+                return 127
         try:
             status = self.process.wait()
         finally:
             self.process = None
         return 128 - status if status < 0 else status  # killed by signal N: 128+N, as a shell says it
 
-    def terminate(self) -> None:
-        process = self.process
+    def cancel(self, key: str) -> bool:
+        """Run `key` is not to start (or go on): True the first time it is said."""
+        with self.lock:
+            if not key or key in self.cancelled:
+                return False
+            self.cancelled.add(key)
+            return True
+
+    def terminate(self, key: str | None = None) -> None:
+        """SIGTERM to the running program (only if it runs run `key`, where one is given)."""
+        with self.lock:
+            process = self.process if key is None or self.key == key else None
         if process is not None and process.poll() is None:
             try:
                 process.terminate()

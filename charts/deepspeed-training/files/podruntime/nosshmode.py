@@ -7,7 +7,9 @@ the failed one), then sends the attempt out (`go`, its env) or, when a stop rule
 then starts DeepSpeed's launcher for its own node rank (`--node_rank=<index>`). When a worker's run ends it sends
 its evidence of it (`end`); worker 0 decides why the attempt ended once every worker's evidence is in (or the wait
 runs out), then meets them again. A worker that gets SIGTERM says so over the channel (`stopping`) before it stops
-its ranks: the attempt is a preemption whichever worker was deleted.
+its ranks: the attempt is a preemption whichever worker was deleted. A host that leaves a run (SIGTERM, or its
+connection dropped mid-run) ends it everywhere at once: worker 0 stops its own ranks and tells the others (`halt`),
+whose ranks would otherwise wait for the one that left until a rendezvous or collective timeout (minutes).
 """
 
 import json
@@ -50,7 +52,7 @@ class Worker:
         self.owner = index == 0
         self.workers = set(range(1, len(hosts)))
         self.hub = channel.Hub(port, self.workers) if self.owner else None
-        self.spoke = None if self.owner else channel.Spoke(index, hosts[0], port)
+        self.spoke = None if self.owner else channel.Spoke(index, hosts[0], port, on_halt=self.on_halt)
         # The hub's view of the workers, kept by its dispatcher thread: who is ready for the next attempt (joined,
         # or ended the last), who runs the current one, and their evidence of it.
         self.changed = threading.Condition()
@@ -67,10 +69,12 @@ class Worker:
     def dispatch(self) -> None:
         while True:
             index, message = self.hub.inbox.get()
-            kind = message["m"]
+            kind, left = message["m"], None
+            who = (message.get("host") or self.hosts[index]).split(".")[0]
             if kind == "stopping":
                 self.stopping.add(index)
                 self.preempted(message.get("host") or self.hosts[index])
+                left = f"{who} got SIGTERM"
             with self.changed:
                 if kind in ("join", "end"):
                     self.ready.add(index)
@@ -80,8 +84,11 @@ class Worker:
                     self.ready.discard(index)
                     if index in self.running and index not in self.stopping:
                         self.vanished.add(index)
+                        left = f"{who} left without a word (its connection dropped)"
                     self.running.discard(index)
                 self.changed.notify_all()
+            if left is not None:
+                self.halt_everywhere(index, left)
 
     def take_evidence(self, index: int, found: dict | None) -> None:
         if found and self.current and found["run"] == self.current.env[protocol.ATTEMPT_ENV["run"]]:
@@ -92,6 +99,32 @@ class Worker:
         if self.current is not None and self.ledger.mark_stopped(self.current.number, who):
             self.barrier_log(f"{who} got SIGTERM: attempt {self.current.number} is a preemption")
             self.ledger.say("stopping", STOPPED)
+
+    def halt_everywhere(self, left: int | None, why: str) -> None:
+        """A host left the current run (`left`, or this one on SIGTERM: None): every other worker is told to stop
+        its ranks of it, and this host's own are stopped (in a thread: the caller is the dispatcher or a signal
+        handler)."""
+        run = self.current.env[protocol.ATTEMPT_ENV["run"]] if self.current else ""
+        if not run:
+            return
+        message = channel.encode("halt", run=run, reason=why)
+        for index in sorted(self.workers - {left}):
+            self.hub.send(index, message)
+        if left is not None:
+            threading.Thread(target=self.halt, args=(run, why), name="halt", daemon=True).start()
+
+    def halt(self, run: str, why: str) -> None:
+        """This host's ranks of `run`, which another host left, stopped now: they save if every rank still can
+        (a SIGTERM on every host is a preemption's joint stop), else the rank stopper ends them; the run never starts
+        if it had not yet."""
+        if not self.child.cancel(run) or self.current is None or self.current.env[protocol.ATTEMPT_ENV["run"]] != run:
+            return  # said before; or a run this host has not begun (its `go` not read yet): it will not start
+        self.log(f"{why}: {run} cannot go on: stopping this worker's ranks of it")
+        ranks.stop_here(self.env, self.log)
+        self.child.terminate(run)
+
+    def on_halt(self, message: dict) -> None:
+        self.halt(message.get("run", ""), f"worker 0 says {message.get('reason') or 'a host left the run'}")
 
     def wait_until(self, done, deadline: float, waiting) -> bool:
         """Waits (logging `waiting(left)` every LOG_EVERY_S) until done() under the lock; False at the deadline."""
@@ -238,8 +271,11 @@ class Worker:
                 return 1
             if done:
                 self.log(done)
-        self.log(f"running ({run}): {' '.join(self.command)}")
-        return self.child.run(self.command, {**self.env, **attempt.env})
+        if run in self.child.cancelled:
+            self.log(f"{run} was halted before it started here (a host left it)")
+        else:
+            self.log(f"running ({run}): {' '.join(self.command)}")
+        return self.child.run(self.command, {**self.env, **attempt.env}, key=run)
 
     def gather(self, attempt: Began, status: int) -> list[dict]:
         if self.owner:
@@ -265,6 +301,7 @@ class Worker:
                                                                "time": time.time()}))
         if self.owner:
             self.preempted(host.hostname())
+            self.halt_everywhere(None, f"{host.hostname().split('.')[0]} got SIGTERM")
         elif self.spoke is not None:
             self.spoke.send(channel.encode("stopping", index=self.index, host=host.hostname(), run=run))
         ranks.stop_here(self.env, Log(f"worker {self.index}"))

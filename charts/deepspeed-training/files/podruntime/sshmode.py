@@ -249,11 +249,33 @@ class Launcher:
     def dispatch(self) -> None:
         while True:
             index, message = self.inbox.get()
+            who = (message.get("host") or self.hosts[index]).split(".")[0]
             if message["m"] == "stopping":
                 self.stopping.add(index)
                 self.preempted(message.get("host") or self.hosts[index])
+                self.halt_everywhere(index, f"{who} got SIGTERM")
             elif message["m"] == "gone" and self.in_run and index not in self.stopping:
                 self.vanished.add(index)
+                self.halt_everywhere(index, f"{who} left without a word (its connection dropped)")
+
+    def halt_everywhere(self, left: int, why: str) -> None:
+        """Worker `left` left the current run: the ranks of every other worker are stopped now (one pdsh round, in a
+        thread: the caller is the dispatcher), and the run never starts if it has not yet. They save if every rank
+        still can (a SIGTERM on every host is a preemption's joint stop); the ranks left alone would wait for the one
+        that left until their rendezvous or a collective timed out (minutes)."""
+        run = self.current.env[protocol.ATTEMPT_ENV["run"]] if self.current else ""
+        if not self.child.cancel(run):
+            return
+
+        def stop_the_others() -> None:
+            self.log(f"{why}: {run} cannot go on: stopping its ranks on every other worker")
+            others = [name for i, name in enumerate(self.hosts) if i != left]
+            if others:
+                for line in lines(pdsh(others, [STOP_RANKS], self.env).stdout):
+                    print(line, flush=True)
+            self.child.terminate(run)
+
+        threading.Thread(target=stop_the_others, name="halt", daemon=True).start()
 
     def run(self, attempt: Began) -> int:
         """DeepSpeed's runner over pdsh (with pdsh's env: DeepSpeed appends its port to our ssh arguments), every rank
@@ -264,11 +286,13 @@ class Launcher:
         Tree(self.env["HOME"]).write(".deepspeed_env", config + attempt_lines, mode=0o600)
         if self.prepare() != 0:
             return 1
-        self.log(f"running ({attempt.env[protocol.ATTEMPT_ENV['run']]}): {' '.join(self.command)}")
+        run = attempt.env[protocol.ATTEMPT_ENV["run"]]
+        self.log(f"{run} was halted before it started (a worker left it)" if run in self.child.cancelled else
+                 f"running ({run}): {' '.join(self.command)}")
         self.vanished, self.stopping = set(), set()
         self.in_run = True
         try:
-            status = self.child.run(self.command, pdsh_env({**self.env, **attempt.env}))
+            status = self.child.run(self.command, pdsh_env({**self.env, **attempt.env}), key=run)
         finally:
             self.in_run = False
         return self.autotuned(status)
