@@ -149,6 +149,11 @@ def test_two_neighbours_lost_stop_in_one_line_and_a_fresh_job_starts_from_the_be
     # remembers, and the job stops rather than train from step 0.
     gone = peercopy.plan(nothing, 3, resumed_before="step_00000040")
     assert isinstance(gone, str) and "resumed from step_00000040" in gone and "not starting from step 0" in gone
+    # The same with a new owner (nossh: worker 0's pod was one of them), which knows the peer copy's step from the
+    # progress ConfigMap (the sidecar notes it: tests/test_sidecar.py).
+    gone = peercopy.plan(nothing, 3, copied=60)
+    assert isinstance(gone, str) and "the peer copy had copied step 60 (the progress ConfigMap's peerStep)" in gone \
+        and "not starting from step 0 (a new install of the release starts afresh)" in gone, gone
     found = {0: {"node": 0, "own": ["step_00000010"], "keeps": None, "restored": None},  # worker 0 keeps worker 1's
              1: {"node": 1, "own": [], "keeps": None, "restored": None},  # worker 1 keeps worker 2's
              2: {"node": 2, "own": [], "keeps": None, "restored": None}}  # workers 1 and 2 are new pods

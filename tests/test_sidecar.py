@@ -370,8 +370,9 @@ class ApiServer(http.server.BaseHTTPRequestHandler):
 
 def test_one_writer_per_key_at_a_bounded_rate_whatever_the_workers(tmp_path):
     """ssh mode: worker 0 writes rank 0's progress, the launcher the job's record and the summary (reading rank 0's
-    keys back), and the other workers nothing, though their ranks write progress files too."""
-    ApiServer.data, ApiServer.seen = {}, []
+    keys back), and the other workers nothing, though their ranks write progress files too. The peer copy's step
+    that the ConfigMap showed before these pods started, then worker 0's, is noted for the plan (never step 0)."""
+    ApiServer.data, ApiServer.seen = {"peerStep": "60"}, []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), ApiServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
@@ -395,9 +396,15 @@ def test_one_writer_per_key_at_a_bounded_rate_whatever_the_workers(tmp_path):
             for index in range(3):
                 (pods[f"worker-{index}"] / protocol.PROGRESS).write_text(json.dumps(
                     {"state": "training", "step": step + 1000 * index, "steps": 100, "time": time.time()}))
+                (pods[f"worker-{index}"] / protocol.PEER_STATUS).write_text(json.dumps(
+                    {"replicated_step": 80 + 1000 * index, "lag_steps": 0}))
             time.sleep(0.1)
         wait_for(lambda: "step 39/100" in ApiServer.data.get("summary", ""), 30, "the summary to follow rank 0",
                  lambda: str(ApiServer.data))
+        noted = lambda pod: json.loads((pods[pod] / protocol.JOB_PEER_STEP).read_text())  # noqa: E731
+        wait_for(lambda: noted("launcher") == {"step": 80}, 30, "the launcher to note worker 0's peer step",
+                 lambda: str(ApiServer.data))
+        assert noted("worker-0") == {"step": 60}  # what the ConfigMap showed when its pod started
         took = time.monotonic() - started
     finally:
         outs = [sidecar.stop() for sidecar in sidecars]

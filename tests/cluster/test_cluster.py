@@ -480,8 +480,10 @@ def culprit_seen(namespace: str, seen: dict) -> bool:
 def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
     """nossh on per-pod volumes (no shared diagnostics/): worker 1's report reaches worker 0 at the start barrier,
     whose sidecar names the culprit in the ConfigMap as the retry in the pods starts. Then worker 1's pod is deleted
-    and its replacement resumes from the copy worker 0 keeps of its part."""
-    install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 1},
+    (a preemption) and its replacement resumes from the copy worker 0 keeps of its part; then force-deleted (no
+    SIGTERM: node-lost), and the same; then both pods are deleted, and the job stops in one line rather than train
+    from step 0."""
+    install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 2},
             hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
     wait_for(lambda: "INFO step 40/" in kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-"
                                                 "completion-index=0", "--tail=-1", namespace=namespace, check=False),
@@ -492,7 +494,7 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
         lambda: f"{progress_data(namespace)}\n{diagnose(namespace)}")
     assert seen["culprit"] == f"rank 1 on {NOSSH_WORKERS}-1", seen
     assert f"hang: rank 1 on {NOSSH_WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
-    assert re.search(r"attempt 2 \(1 of 1 failures used", seen["summary"]), seen
+    assert re.search(r"attempt 2 \(1 of 2 failures used", seen["summary"]), seen
     print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
           f"{seen['summary']}")
     text, seconds = make_why(namespace, "nossh")
@@ -508,14 +510,47 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
                                   check=False)
     wait_for(lambda: "keeping worker 1's part" in worker0_log(), 120, "a part of worker 1's kept on worker 0",
              lambda: diagnose(namespace))
+    plan = re.compile(r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)")
+
+    def resumed_from_the_peer_copy(times: int) -> tuple[str, str] | None:
+        """(the planned tag, the tag rank 0 resumed from) of the `times`th resume from the peer copy, once there."""
+        log = worker0_log()
+        planned = list(plan.finditer(log))
+        if len(planned) < times:
+            return None
+        resumed = re.search(r"resumed from /checkpoints/(step_\d+) at step", log[planned[times - 1].end():])
+        return (planned[times - 1][1], resumed[1]) if resumed else None
+
     deleted = time.monotonic()
     kubectl("delete", "pod", nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
-    plan = r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)"
-    resumed = wait_for(lambda: (m := re.search(plan + r"[\s\S]*resumed from /checkpoints/(step_\d+) at step",
-                                                worker0_log())) and m, 240, "the new pod to resume from the peer copy",
-                       lambda: diagnose(namespace))
-    assert resumed[1] == resumed[2], resumed[0][-2000:]
-    print(f"worker pod deleted (nossh): resumed from the peer copy {time.monotonic() - deleted:.0f}s later")
+    tags = wait_for(lambda: resumed_from_the_peer_copy(1), 240, "the new pod to resume from the peer copy",
+                    lambda: diagnose(namespace))
+    deleted_s = time.monotonic() - deleted
+    assert tags[0] == tags[1], tags
+    # A deletion is a preemption: the attempt it ended spent nothing.
+    wait_for(lambda: "attempt 3 (1 of 2 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
+             60, "attempt 3 to count a preemption", lambda: str(progress_data(namespace)))
+    # Force-deleted: no SIGTERM, nothing more copied; worker 0 sees its channel drop and ends its own run at once.
+    forced = time.monotonic()
+    kubectl("delete", "pod", nossh_pod(namespace, 1), "--grace-period=0", "--force", "--wait=false",
+            namespace=namespace)
+    tags = wait_for(lambda: resumed_from_the_peer_copy(2), 240, "the next new pod to resume from the peer copy",
+                    lambda: diagnose(namespace))
+    forced_s = time.monotonic() - forced
+    assert tags[0] == tags[1], tags
+    assert "left without a word (its connection dropped)" in worker0_log()
+    print(f"worker pod deleted (nossh): resumed from the peer copy {deleted_s:.0f}s later; force-deleted: "
+          f"{forced_s:.0f}s later")
+    # Both pods deleted: every volume and the ledger with them. The new worker 0 knows from the progress ConfigMap
+    # that the peer copy had a step: one line, a failed Job, never a start from step 0.
+    kubectl("delete", "pod", nossh_pod(namespace, 0), nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
+    reason = wait_for(lambda: "not starting from step 0" in (text := progress_data(namespace).get("reason", ""))
+                      and text, 240, "the job to stop in one line", lambda: diagnose(namespace))
+    assert re.search(r"config-error: no worker holds a checkpoint any more, though the peer copy had copied step \d+",
+                     reason), reason
+    wait_for(lambda: any(c["type"] == "Failed" and c["status"] == "True" for c in
+                         get("job", NOSSH_WORKERS, namespace).get("status", {}).get("conditions", [])), 120,
+             "the Job to fail", lambda: diagnose(namespace))
     stop_endless_job(namespace)
 
 

@@ -199,7 +199,7 @@ class Worker:
                 self.barrier_log(f"worker {index} sent no holdings: the peer copy's plan is skipped this attempt")
                 return None
             found[index] = valid
-        planned = peercopy.plan(found, len(self.hosts), self.resumed_before)
+        planned = peercopy.plan(found, len(self.hosts), self.resumed_before, peercopy.job_peer_step(self.env))
         if isinstance(planned, peercopy.Plan) and planned.tag:
             self.resumed_before = planned.tag
         return planned

@@ -484,6 +484,14 @@ def start(hosts: list[str], node: int | None = None, env=os.environ) -> Running 
 
 # ---- before an attempt: what each host holds, the plan, each host's preparation
 
+def job_peer_step(env=os.environ) -> int | None:
+    """The peer copy's newest copied step as the job's progress ConfigMap showed it, which the owner's sidecar notes
+    (protocol.JOB_PEER_STEP), or None."""
+    state = env.get(protocol.STATE_DIR_ENV)
+    noted = Tree(state).read_json(protocol.JOB_PEER_STEP) if state else None
+    return protocol.count(noted.get("step")) if isinstance(noted, dict) else None
+
+
 def holdings(ring: Ring, volume: Tree) -> dict:
     """What this worker can resume from: its own complete tags (newest first), the copy it keeps of its
     neighbour's part, and where its newest restore came from."""
@@ -528,19 +536,23 @@ class Plan:
         return bool(self.tag and (self.peer or self.newer))
 
 
-def plan(found: dict[int, dict], nodes: int, resumed_before: str | None = None) -> Plan | str:
+def plan(found: dict[int, dict], nodes: int, resumed_before: str | None = None,
+         copied: int | None = None) -> Plan | str:
     """The newest tag every worker holds on its own volume or through its keeper, from every host's holdings; or
-    why there is none though some worker holds a checkpoint, or though an earlier attempt of this owner resumed from
-    one (`resumed_before`: every volume lost since), in one line."""
+    why there is none though some worker holds a checkpoint, or though the job's volumes had one (an earlier attempt
+    of this owner resumed from `resumed_before`, or the peer copy had copied step `copied`, as the progress ConfigMap
+    showed: every volume lost since), in one line."""
     own = {n: set(found[n]["own"]) for n in range(nodes)}
     copy = {kept_by(n, nodes): found[n]["keeps"] for n in range(nodes)}  # worker -> the tag its keeper holds of it
     candidates = sorted(set().union(*own.values()) | {t for t in copy.values() if t}, key=checkpoints.order,
                         reverse=True)
-    if not candidates and resumed_before:
-        return (f"no worker holds a checkpoint any more, though attempts of this job resumed from {resumed_before}: "
-                "every worker's volume was lost (their pods replaced together), and the peer copies survive the loss "
-                "of one pod, not of two neighbouring ones; a checkpoints.objectStore bucket survives both; not "
-                "starting from step 0")
+    if not candidates and (resumed_before or copied):
+        had = f"attempts of this job resumed from {resumed_before}" if resumed_before else \
+            f"the peer copy had copied step {copied} (the progress ConfigMap's peerStep)"
+        return (f"no worker holds a checkpoint any more, though {had}: every worker's volume was lost (their pods "
+                "replaced together), and the peer copies survive the loss of one pod, not of two neighbouring ones; "
+                "a checkpoints.objectStore bucket survives both; not starting from step 0 (a new install of the "
+                "release starts afresh)")
     if not candidates:
         return Plan(None, [], "no worker holds a complete checkpoint: the run starts from the beginning")
     for tag in candidates:

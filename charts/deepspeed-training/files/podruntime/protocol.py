@@ -25,6 +25,9 @@ there).
 - `stopping.json` (STOP_NOTICE): an ssh worker's agent, on SIGTERM -> the channel's spoke on that worker, which
   tells the ledger's owner before the ranks stop.
 - `job.id` (JOB_ID_FILE): the sidecar -> the ledger and goodput: the release's install.
+- `job-peer-step.json` (JOB_PEER_STEP): the ledger owner's sidecar -> the peer copy's plan: `{"step": N}`, the
+  newest step the peer copy had copied, as the progress ConfigMap showed it (`peerStep`; the ConfigMap outlives
+  every pod): a job whose volumes held checkpoints never starts from step 0 because they were lost.
 
 Every line a rank writes starts with rank_tag(rank, attempt), which tag_of() finds again at a line's start.
 Exit statuses: EXIT_CONFIG_ERROR (a configuration error, never retried), EXIT_NOT_RETRIED (the ledger stopped the
@@ -69,6 +72,7 @@ END_RECORD = "end-{rank}.json"
 END_RECORD_NAME = re.compile(r"end-[0-9]{1,10}\.json")
 STOP_NOTICE = "stopping.json"
 JOB_ID_FILE = "job.id"
+JOB_PEER_STEP = "job-peer-step.json"
 
 # ---- the chart's bookkeeping in the release's checkpoint directory (DS_CHECKPOINT_DIR): one folder beside the
 # program's checkpoints, each subtree with one writer: the ledger's owner (ATTEMPTS: attempts/<job>/NNNN), the

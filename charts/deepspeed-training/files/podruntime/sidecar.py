@@ -314,6 +314,7 @@ class Publisher:
         self.job_writer = Writer(api, name, JOB_KEYS) if api and job else None
         self.rank0: dict[str, str] = {}  # rank 0's keys as the ConfigMap (or this pod) has them
         self.next_read = 0.0
+        self.peer_step: int | None = None  # the step noted for the peer copy's plan
 
     def step(self, final: bool = False) -> bool:
         """One look and the patches it calls for; False while something is left to write."""
@@ -328,6 +329,7 @@ class Publisher:
             elif final or time.monotonic() >= self.next_read:  # rank 0 is another pod's: read its keys back
                 self.rank0 = {k: v for k, v in self.job_writer.read().items() if k in PROGRESS_KEYS} or self.rank0
                 self.next_read = time.monotonic() + PATCH_EVERY_S
+            self.peer_step = note_peer_step(self.pod, self.rank0.get("peerStep"), self.peer_step)
             fields = job_fields(self.pod.record(protocol.VERDICT) or {}, self.rank0)
             fields["summary"] = summary({**self.rank0, **fields})
             written = self.job_writer.written
@@ -460,16 +462,26 @@ def write_job_id(pod: Pod, api: Api | None, configmap: str | None) -> None:
     """The job's identity for the ledger (protocol.JOB_ID_FILE): the progress ConfigMap's uid, which Helm keeps
     across upgrades and a reinstall replaces; empty without API access (the ledger then keys by the Job's uid).
     Written before anything else: the pod's main container waits for it (the chart's startupProbe)."""
-    uid = ""
+    uid, data = "", {}
     if api and configmap:
         try:
             api.requests += 1
-            uid = api.core.read_namespaced_config_map(configmap, api.namespace,
-                                                      _request_timeout=API_TIMEOUT).metadata.uid
+            found = api.core.read_namespaced_config_map(configmap, api.namespace, _request_timeout=API_TIMEOUT)
+            uid, data = found.metadata.uid, found.data or {}
         except Exception as err:  # noqa: BLE001 - the ledger falls back to the Job's uid
             log(f"no job identity from ConfigMap {configmap} ({type(err).__name__}): the ledger keys by the Job")
+    note_peer_step(pod, data.get("peerStep"))  # before job.id: the main container waits for that one
     if not pod.dir.write(protocol.JOB_ID_FILE, f"{uid}\n"):
         log(f"could not write {protocol.JOB_ID_FILE} in {pod.dir.path()}")
+
+
+def note_peer_step(pod: Pod, shown, written: int | None = None) -> int | None:
+    """The peer copy's newest copied step as the progress ConfigMap shows it (`shown`), for the peer copy's plan
+    (protocol.JOB_PEER_STEP), where it is a step and not the one `written` before; the step written."""
+    step = int(shown) if isinstance(shown, str) and shown.isdigit() and len(shown) < 16 else None
+    if step is None or step == written:
+        return written
+    return step if pod.dir.write(protocol.JOB_PEER_STEP, json.dumps({"step": step})) else written
 
 
 def start_uploads():

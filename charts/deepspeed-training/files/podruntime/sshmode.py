@@ -214,7 +214,7 @@ class Launcher:
             self.log(f"no holdings from worker(s) {', '.join(map(str, missing[:10]))}: the peer copy's plan is skipped "
                      "this attempt")
             return None
-        planned = peercopy.plan(found, nodes, self.resumed_before)
+        planned = peercopy.plan(found, nodes, self.resumed_before, peercopy.job_peer_step(self.env))
         if isinstance(planned, peercopy.Plan) and planned.tag:
             self.resumed_before = planned.tag
         return planned
