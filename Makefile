@@ -187,7 +187,7 @@ drill-objectstore: ## The object store's long drills (not in CI): 20 uploads kil
 	  tests/e2e/test_byo_programs.py::test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods -v -s
 
 .PHONY: drill-faults
-drill-faults: ## The fault drill (not all in CI): 37 real faults, both launch modes, the train package and a Trainer; prints expected vs reported causes (root).
+drill-faults: ## The fault drill (not all in CI): real faults (tests/drills/test_fault_drill.py CASES), both launch modes, the train package and a Trainer; prints expected vs reported causes (root).
 	DS_DRILLS=faults pytest tests/drills/test_fault_drill.py -v -s -p no:cacheprovider
 
 .PHONY: lint
