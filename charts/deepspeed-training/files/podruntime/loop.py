@@ -66,6 +66,7 @@ class Child:
         self.process: subprocess.Popen | None = None
         self.key = ""
         self.cancelled: set[str] = set()
+        self.ended: set[str] = set()  # runs that ran here and ended
         self.lock = threading.Lock()
 
     def run(self, argv: list[str], env: dict[str, str], key: str = "") -> int:
@@ -80,13 +81,15 @@ class Child:
         try:
             status = self.process.wait()
         finally:
-            self.process = None
+            with self.lock:
+                self.process = None
+                self.ended.add(key)
         return 128 - status if status < 0 else status  # killed by signal N: 128+N, as a shell says it
 
     def cancel(self, key: str) -> bool:
-        """Run `key` is not to start (or go on): True the first time it is said."""
+        """Run `key` is not to start (or go on): True the first time it is said, while it has not ended."""
         with self.lock:
-            if not key or key in self.cancelled:
+            if not key or key in self.cancelled or key in self.ended:
                 return False
             self.cancelled.add(key)
             return True
