@@ -20,8 +20,8 @@ from tests.support.harness import wait_for, write_projected
 from tests.support.ports import free_port
 
 # DeepSpeed's launcher's stand-in: one rank that beats to FAKE_STEP, then ends as FAKE_<worker>_<attempt> says:
-# `exit:N`; `fail:N` (after its end record, FAKE_ERROR's line); `wait` (until SIGTERM: 143); `peer:PATH` (until the
-# file PATH is there, then 1: a collective that fails once its peer is gone).
+# `exit:N`; `late:N` (N after 2 s more); `fail:N` (after its end record, FAKE_ERROR's line); `wait` (until SIGTERM:
+# 143); `peer:PATH` (until the file PATH is there, then 1: a collective that fails once its peer is gone).
 FAKE_LAUNCHER = """
 import os, signal, sys, time
 from train import rankstate
@@ -40,6 +40,8 @@ if what.startswith("peer:"):
         time.sleep(0.1)
     sys.exit(1)
 kind, status = what.split(":")
+if kind == "late":
+    time.sleep(2)
 if kind == "fail":
     rankstate.fail("program-error", os.environ["FAKE_ERROR"].format(node=node))
 rankstate.clear()
@@ -104,6 +106,15 @@ def test_the_owner_decides_once_from_every_workers_evidence(tmp_path):
         "ValueError: bad batch on 1" in first["reason"], first
     assert second["cause"] == "completed"
     assert workers.log(0).count("attempts: attempt") == 2
+
+
+def test_a_worker_whose_run_ended_well_may_leave_before_worker_0s_ends(tmp_path):
+    """Worker 1's run ends well and its pod's loop exits while worker 0's rank still finishes (its last save): that
+    is no host leaving a run (no halt, no node-lost), and the job completes."""
+    workers = Workers(tmp_path, retries=0, FAKE_0_1="late:0", FAKE_1_1="exit:0")
+    assert workers.wait() == [0, 0], workers.both()
+    assert [c["cause"] for c in workers.causes()] == ["completed"], workers.causes()
+    assert "cannot go on" not in workers.log(0), workers.both()
 
 
 def test_a_sigterm_to_any_worker_is_a_preemption_on_per_pod_volumes_and_ends_the_run_everywhere_at_once(tmp_path):

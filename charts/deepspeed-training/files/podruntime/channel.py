@@ -7,7 +7,8 @@ drops). Messages:
   spoke -> hub   join {index, evidence?, holds?}   I am here, ready for the next attempt (with my evidence of the
                                            last one when the hub may not have it: a new connection; with what my
                                            volume holds when the peer copy is on: peercopy.holdings)
-                 end {index, evidence, holds?}   my run of the attempt ended: my evidence of it
+                 end {index, evidence?, run?, holds?}   my run of the attempt ended: my evidence of it (a run
+                                           that ended well: its run ID only; then the worker may leave)
                  stopping {index, host}    my pod got SIGTERM: the attempt is a preemption (before my ranks stop)
   hub -> spoke   go {env, resume?}         the attempt begins: its env for every rank (and the peer copy's plan:
                                            the tag every worker resumes from, who fetches it from its peer)

@@ -80,6 +80,9 @@ class Worker:
                     self.ready.add(index)
                     self.take_evidence(index, message.get("evidence"))
                     self.holds[index] = message.get("holds")
+                    if kind == "end" and self.current and message["run"] == self.current.env[protocol.ATTEMPT_ENV[
+                            "run"]]:
+                        self.running.discard(index)  # its run ended (also well: no evidence), and it may leave
                 elif kind == "gone":
                     self.ready.discard(index)
                     if index in self.running and index not in self.stopping:
@@ -275,7 +278,10 @@ class Worker:
             self.log(f"{run} was halted before it started here (a host left it)")
         else:
             self.log(f"running ({run}): {' '.join(self.command)}")
-        return self.child.run(self.command, {**self.env, **attempt.env}, key=run)
+        status = self.child.run(self.command, {**self.env, **attempt.env}, key=run)
+        if status == 0 and self.spoke is not None:  # the loop gathers no evidence of a run that ended well: its end
+            self.spoke.send(channel.encode("end", index=self.index, run=run, **self.holdings()))  # is no vanishing
+        return status
 
     def gather(self, attempt: Began, status: int) -> list[dict]:
         if self.owner:
