@@ -151,6 +151,21 @@ def listen(port: int) -> socket.socket:
         return socket.create_server(("", port))
 
 
+def accept_each(server: socket.socket, handle: Callable[[socket.socket], None], name: str,
+                slots: threading.Semaphore | None = None) -> None:
+    """Accepts connections until `server` closes, each handled in a thread of its own; with `slots`, one beyond them is
+    closed at once (`handle` releases its slot)."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        if slots is not None and not slots.acquire(blocking=False):
+            conn.close()
+            continue
+        threading.Thread(target=handle, args=(conn,), name=name, daemon=True).start()
+
+
 class Spoke:
     """One connection to a host's hub or listener (nossh: a worker's to worker 0; ssh: the launcher's to each
     worker), made again when it drops; its messages in `inbox` (shared by several spokes: (index, message)), but a
@@ -235,12 +250,7 @@ class Listener:
         threading.Thread(target=self.serve, name="listener", daemon=True).start()
 
     def serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self.hold, args=(conn,), name="listener-peer", daemon=True).start()
+        accept_each(self.server, self.hold, "listener-peer")
 
     def hold(self, conn: socket.socket) -> None:
         """Keeps a connection once it said `join`, until it closes (what else it sends is not read)."""

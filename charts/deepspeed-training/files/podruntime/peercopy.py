@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from podruntime import checkpoints, host, protocol
+from podruntime import channel, checkpoints, host, protocol
 from podruntime.channel import listen
 from podruntime.tenantfiles import Tree, parse_json, parts_of
 from podruntime.text import Log, clean
@@ -219,15 +219,7 @@ class Keeper:
         self.server.close()
 
     def serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            if not self.slots.acquire(blocking=False):
-                conn.close()
-                continue
-            threading.Thread(target=self.handle, args=(conn,), name="peer-request", daemon=True).start()
+        channel.accept_each(self.server, self.handle, "peer-request", self.slots)
 
     def handle(self, conn: socket.socket) -> None:
         try:
