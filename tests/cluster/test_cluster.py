@@ -480,8 +480,8 @@ def culprit_seen(namespace: str, seen: dict) -> bool:
 def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
     """nossh on per-pod volumes (no shared diagnostics/): worker 1's report reaches worker 0 at the start barrier,
     whose sidecar names the culprit in the ConfigMap as the retry in the pods starts. Then worker 1's pod is deleted
-    (a preemption) and its replacement resumes from the copy worker 0 keeps of its part; then force-deleted (no
-    SIGTERM: node-lost), and the same; then both pods are deleted, and the job stops in one line rather than train
+    (a preemption) and its replacement resumes from the copy worker 0 keeps of its part; then force-deleted, and the
+    same; then both pods are deleted, and the job stops in one line rather than train
     from step 0."""
     install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 2},
             hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
@@ -530,7 +530,8 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
     # A deletion is a preemption: the attempt it ended spent nothing.
     wait_for(lambda: "attempt 3 (1 of 2 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
              60, "attempt 3 to count a preemption", lambda: str(progress_data(namespace)))
-    # Force-deleted: no SIGTERM, nothing more copied; worker 0 sees its channel drop and ends its own run at once.
+    # Force-deleted: the pod object goes at once (the kubelet of Kubernetes 1.36 still sends its containers SIGTERM:
+    # a preemption again; the e2e tier and the drill kill a pod outright, node-lost); its replacement has no wait.
     forced = time.monotonic()
     kubectl("delete", "pod", nossh_pod(namespace, 1), "--grace-period=0", "--force", "--wait=false",
             namespace=namespace)
@@ -538,7 +539,8 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
                     lambda: diagnose(namespace))
     forced_s = time.monotonic() - forced
     assert tags[0] == tags[1], tags
-    assert "left without a word (its connection dropped)" in worker0_log()
+    wait_for(lambda: "attempt 4 (1 of 2 failures used, 2 preemptions)" in progress_data(namespace).get("summary", ""),
+             60, "attempt 4 to count a second preemption", lambda: str(progress_data(namespace)))
     print(f"worker pod deleted (nossh): resumed from the peer copy {deleted_s:.0f}s later; force-deleted: "
           f"{forced_s:.0f}s later")
     # Both pods deleted: every volume and the ledger with them. The new worker 0 knows from the progress ConfigMap
