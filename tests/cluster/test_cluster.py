@@ -480,10 +480,10 @@ def culprit_seen(namespace: str, seen: dict) -> bool:
 def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
     """nossh on per-pod volumes (no shared diagnostics/): worker 1's report reaches worker 0 at the start barrier,
     whose sidecar names the culprit in the ConfigMap as the retry in the pods starts. Then worker 1's pod is deleted
-    (a preemption) and its replacement resumes from the copy worker 0 keeps of its part; then force-deleted, and the
-    same; then both pods are deleted, and the job stops in one line rather than train
-    from step 0."""
-    install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 2},
+    (a preemption) and its replacement resumes from the copy worker 0 keeps of its part (a force delete is the same on
+    Kubernetes 1.36: its containers get SIGTERM; the ssh test below does one); then both pods are deleted, and the
+    job stops in one line rather than train from step 0."""
+    install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 1},
             hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
     wait_for(lambda: "INFO step 40/" in kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-"
                                                 "completion-index=0", "--tail=-1", namespace=namespace, check=False),
@@ -494,7 +494,7 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
         lambda: f"{progress_data(namespace)}\n{diagnose(namespace)}")
     assert seen["culprit"] == f"rank 1 on {NOSSH_WORKERS}-1", seen
     assert f"hang: rank 1 on {NOSSH_WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
-    assert re.search(r"attempt 2 \(1 of 2 failures used", seen["summary"]), seen
+    assert re.search(r"attempt 2 \(1 of 1 failures used", seen["summary"]), seen
     print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
           f"{seen['summary']}")
     text, seconds = make_why(namespace, "nossh")
@@ -528,21 +528,9 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
     deleted_s = time.monotonic() - deleted
     assert tags[0] == tags[1], tags
     # A deletion is a preemption: the attempt it ended spent nothing.
-    wait_for(lambda: "attempt 3 (1 of 2 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
+    wait_for(lambda: "attempt 3 (1 of 1 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
              60, "attempt 3 to count a preemption", lambda: str(progress_data(namespace)))
-    # Force-deleted: the pod object goes at once (the kubelet of Kubernetes 1.36 still sends its containers SIGTERM:
-    # a preemption again; the e2e tier and the drill kill a pod outright, node-lost); its replacement has no wait.
-    forced = time.monotonic()
-    kubectl("delete", "pod", nossh_pod(namespace, 1), "--grace-period=0", "--force", "--wait=false",
-            namespace=namespace)
-    tags = wait_for(lambda: resumed_from_the_peer_copy(2), 240, "the next new pod to resume from the peer copy",
-                    lambda: diagnose(namespace))
-    forced_s = time.monotonic() - forced
-    assert tags[0] == tags[1], tags
-    wait_for(lambda: "attempt 4 (1 of 2 failures used, 2 preemptions)" in progress_data(namespace).get("summary", ""),
-             60, "attempt 4 to count a second preemption", lambda: str(progress_data(namespace)))
-    print(f"worker pod deleted (nossh): resumed from the peer copy {deleted_s:.0f}s later; force-deleted: "
-          f"{forced_s:.0f}s later")
+    print(f"worker pod deleted (nossh): resumed from the peer copy {deleted_s:.0f}s later")
     # Both pods deleted: every volume and the ledger with them. The new worker 0 knows from the progress ConfigMap
     # that the peer copy had a step: one line, a failed Job, never a start from step 0.
     kubectl("delete", "pod", nossh_pod(namespace, 0), nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
