@@ -233,3 +233,44 @@ def test_the_read_only_commands_never_import_deepspeed(command):
     result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120,
                             cwd=ROOT)
     assert result.stdout.strip().splitlines()[-1] == "0 False", result.stdout + result.stderr
+
+
+def test_a_device_its_plugin_calls_unhealthy_explains_the_newest_attempts_hang():
+    """Kubernetes 1.36 reports device health per container (allocatedResourcesStatus). This machine has no device:
+    the API objects are the client's own models, as the API server returns them, read by why.read."""
+    from datetime import UTC, datetime
+
+    from kubernetes import client as k
+
+    health = [k.V1ResourceHealth(resource_id="GPU-7f3a", health="Unhealthy", message="XID 79: fell off the bus"),
+              k.V1ResourceHealth(resource_id="GPU-0c21", health="Healthy")]
+    status = k.V1ContainerStatus(name="worker", image="i", image_id="", ready=True, restart_count=0,
+                                 allocated_resources_status=[k.V1ResourceStatus(name="nvidia.com/gpu",
+                                                                                resources=health)])
+    sick = k.V1Pod(metadata=k.V1ObjectMeta(name="demo-w-1", creation_timestamp=datetime.fromtimestamp(T, UTC)),
+                   spec=k.V1PodSpec(containers=[k.V1Container(name="worker")], node_name="n1"),
+                   status=k.V1PodStatus(phase="Running", container_statuses=[status]))
+    attempts = [{"attempt": 1, "cause": "hang", "step": 40, "ended": T - 3000, "culprit": "rank 1 on w-1"},
+                {"attempt": 2, "cause": "hang", "step": 98, "ended": T - 600, "culprit": "rank 1 on w-1"}]
+
+    class Core:
+        def read_namespaced_config_map(self, name, namespace):
+            return k.V1ConfigMap(data=progress(attempts))
+
+        def list_namespaced_pod(self, namespace, label_selector):
+            return k.V1PodList(items=[sick])
+
+        def list_namespaced_event(self, namespace):
+            return k.CoreV1EventList(items=[])
+
+    class Batch:
+        def list_namespaced_job(self, namespace, label_selector):
+            return k.V1JobList(items=[])
+
+    text = why.why_text(RELEASE, why.read(Core(), Batch(), RELEASE))
+    assert "2 device-unhealthy at step 98 (the pods saw hang; the cluster: pod demo-w-1, container worker: " \
+           "nvidia.com/gpu GPU-7f3a Unhealthy (XID 79: fell off the bus))" in text, text
+    assert "1 hang at step 40" in text and "GPU-0c21" not in text, text  # the device's health now: the newest only
+    # Nothing else the cluster saw near a hang replaces it: a deleted pod after a hang is the hang's.
+    deleted = [{"time": T, "cause": "pod-deleted", "text": "x"}]
+    assert why.refine([{"attempt": 1, "cause": "hang", "ended": T}], deleted)[0]["cause"] == "hang"

@@ -77,10 +77,14 @@ def read(core, batch, release: Release) -> dict:
                                 c.last_state.terminated if c.last_state else None) if t]
         disruption = [(c.reason, c.message, epoch(c.last_transition_time)) for c in pod.status.conditions or []
                       if c.type == "DisruptionTarget" and c.status == "True"]
+        # Device health per container (Kubernetes 1.36, beta): a device its plugin or DRA driver calls Unhealthy.
+        devices = [(c.name, r.name, h.resource_id, h.message) for c in statuses
+                   for r in (c.allocated_resources_status or []) for h in (r.resources or [])
+                   if h.health == "Unhealthy"]
         pods.append({"name": pod.metadata.name, "phase": pod.status.phase, "reason": pod.status.reason,
                      "message": pod.status.message, "deleted": epoch(pod.metadata.deletion_timestamp),
                      "created": epoch(pod.metadata.creation_timestamp), "node": pod.spec.node_name,
-                     "terminated": terminated, "disruption": disruption,
+                     "terminated": terminated, "disruption": disruption, "devices": devices,
                      "restarts": sum(c.restart_count or 0 for c in statuses)})
     prefix = f"{release.name}-"
     events = [{"object": e.involved_object.name, "kind": e.involved_object.kind, "type": e.type, "reason": e.reason,
@@ -100,10 +104,15 @@ def read(core, batch, release: Release) -> dict:
 def observations(pods: list[dict], events: list[dict], mains: tuple[str, ...]) -> list[dict]:
     """What the API server saw of the release's pods, as causes.CLUSTER_RULES read it: {kind, reason, message,
     main, time, text}, kind one of container (a terminated container), disruption (a DisruptionTarget condition),
-    evicted (an Evicted pod), deletion (a pod being deleted), event. A `Killing` of a pod's main container (`mains`)
-    is a deletion; of its sidecar alone, the pod's normal end."""
+    evicted (an Evicted pod), deletion (a pod being deleted), device (an Unhealthy device: no time, the API keeps
+    none; it speaks for the newest attempt), event. A `Killing` of a pod's main container (`mains`) is a deletion;
+    of its sidecar alone, the pod's normal end."""
     found = []
     for pod in pods:
+        for container, resource, device, message in pod.get("devices", []):
+            found.append({"kind": "device", "reason": "Unhealthy", "message": message or "", "time": None,
+                          "text": f"pod {pod['name']}, container {container}: {resource} {device} Unhealthy"
+                                  + (f" ({message})" if message else "")})
         for container, reason, code, finished, _ in pod["terminated"]:
             found.append({"kind": "container", "reason": reason, "message": "", "time": finished,
                           "text": f"pod {pod['name']}, container {container}: {reason} (exit {code}) at "
@@ -152,15 +161,17 @@ def attempts_of(progress: dict) -> list[dict]:
 
 def refine(entries: list[dict], evidence: list[dict]) -> list[dict]:
     """Each attempt with the cluster's cause where the pods' is one the cluster may explain better
-    (causes.REFINABLE) and some evidence lies near its end: {**entry, seen: cause the pods gave, by: the evidence's
+    (causes.refines) and some evidence lies near its end: {**entry, seen: cause the pods gave, by: the evidence's
     line}."""
-    out = []
+    out, newest = [], max((e["attempt"] for e in entries), default=None)
     for entry in entries:
         ended = entry.get("ended")
-        near = [e for e in evidence if ended and e["time"]
-                and ended - causes.BEFORE_S <= e["time"] <= ended + causes.AFTER_S]
-        if entry["cause"] in causes.REFINABLE and near:
-            best = min(near, key=lambda e: (causes.strength(e["cause"]), abs(ended - e["time"])))
+        near = [e for e in evidence if causes.refines(e["cause"], entry["cause"]) and (
+            (ended and e["time"] and ended - causes.BEFORE_S <= e["time"] <= ended + causes.AFTER_S)
+            or (e["time"] is None and entry["attempt"] == newest))]  # a device's health now: the newest attempt's
+        if near:
+            best = min(near, key=lambda e: (causes.strength(e["cause"]), abs(ended - e["time"]) if ended and e["time"]
+                                            else 0.0))
             if best["cause"] != entry["cause"]:
                 entry = {**entry, "seen": entry["cause"], "cause": best["cause"], "by": best["text"]}
         out.append(entry)

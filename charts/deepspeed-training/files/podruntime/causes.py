@@ -39,6 +39,9 @@ CAUSES = {
     "node-lost": ("the ledger (an owner's pod that recorded nothing; a host whose channel to the owner dropped "
                   "mid-attempt without a SIGTERM), make why (a node NotReady, DisruptionTarget)",
                   "the node went away, or a pod was killed outright", "yes"),
+    "device-unhealthy": ("make why (a container's allocatedResourcesStatus, Kubernetes 1.36)", "a device given to a "
+                         "pod (a GPU) that its device plugin or DRA driver reports Unhealthy: the crash, hang or "
+                         "timeout the pods saw was the hardware's", "yes"),
 }
 # The same error of these causes at the same step in two failed attempts in a row stops the job (deterministic).
 REPEATABLE_CAUSES = ("program-error", "loss-nan", "storage-error", "collective-timeout", "oom-killed")
@@ -233,6 +236,8 @@ _DISRUPTIONS = {"EvictionByEvictionAPI": "evicted", "TerminationByKubelet": "evi
 CLUSTER_RULES = (
     ClusterRule("oom-killed", "a container terminated OOMKilled; an OOMKilling event",
                 lambda o: o["reason"] in ("OOMKilled", "OOMKilling")),
+    ClusterRule("device-unhealthy", "a device in a container's allocatedResourcesStatus with health Unhealthy",
+                lambda o: o["kind"] == "device" and o["reason"] == "Unhealthy"),
     ClusterRule("node-lost", "DisruptionTarget DeletionByTaintManager/DeletionByPodGC; a NodeNotReady or "
                 "TaintManagerEviction event",
                 lambda o: (o["kind"] == "disruption" and _DISRUPTIONS.get(o["reason"]) == "node-lost")
@@ -250,12 +255,19 @@ CLUSTER_RULES = (
                     and o.get("main", False))),
 )
 REFINABLE = ("program-error", "node-lost", "preempted", "collective-timeout")  # the pods' causes it may refine
+DEVICE_REFINABLE = (*REFINABLE, "hang")  # a device gone bad also explains a hang (nothing else near one does)
 BEFORE_S, AFTER_S = 900, 120  # an observation this long before an attempt's recorded end, or after it, is its
 
 
 def cluster_cause(observation: dict) -> str | None:
     """The cause an API observation shows (the first CLUSTER_RULES row that matches), or None."""
     return next((rule.cause for rule in CLUSTER_RULES if rule.matches(observation)), None)
+
+
+def refines(cluster: str, seen: str) -> bool:
+    """Whether the cluster's cause `cluster` may replace the pods' `seen` (REFINABLE; DEVICE_REFINABLE for a
+    device)."""
+    return seen in (DEVICE_REFINABLE if cluster == "device-unhealthy" else REFINABLE)
 
 
 def strength(cause: str) -> int:
