@@ -132,6 +132,9 @@ def test_a_sigterm_to_any_worker_is_a_preemption_on_per_pod_volumes_and_ends_the
     assert re.search(r"worker 0: \S+ got SIGTERM: run-0001-\w+ cannot go on: stopping this worker's ranks of it",
                      workers.log(0)), workers.both()
     assert "DeepSpeed exited with status 143" in workers.log(0), workers.both()
+    # Worker 1's end said it stopped: it is leaving, not ready; worker 0 waits for its replacement.
+    wait_for(lambda: "1/2 here; waiting for" in workers.log(0), 30, "worker 0 to wait for worker 1", workers.both)
+    assert "attempt 2" not in workers.log(0), workers.both()
     os.kill(workers.processes[0].pid, signal.SIGTERM)  # the Job's end: nothing more to see here
     workers.wait()
 

@@ -77,7 +77,8 @@ class Worker:
                 left = f"{who} got SIGTERM"
             with self.changed:
                 if kind in ("join", "end"):
-                    self.ready.add(index)
+                    if not (kind == "end" and index in self.stopping):  # one that got SIGTERM ends its run and
+                        self.ready.add(index)  # leaves: its replacement's join makes it ready, never its end
                     self.take_evidence(index, message.get("evidence"))
                     self.holds[index] = message.get("holds")
                     if kind == "end" and self.current and message["run"] == self.current.env[protocol.ATTEMPT_ENV[
