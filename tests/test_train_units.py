@@ -389,3 +389,26 @@ def test_a_pipelines_unmeasured_steps_name_no_straggler():
     for _ in range(3 * Stragglers.RUN):
         stragglers.step([0.0, 0.0])
     assert lines.lines == []
+
+
+def test_a_sigterm_handler_that_reports_stopping_in_the_middle_of_a_beat_never_crashes_the_rank(tmp_path, monkeypatch):
+    """The train package's SIGTERM handler reports `stopping` (closing the state file beat() writes in place) at
+    whatever bytecode the main thread is: here between beat()'s check of the file and its write (the rank crashed
+    with a TypeError there when every host's ranks got SIGTERM at once). The stop's state stands."""
+    from train import rankstate
+    monkeypatch.setenv("DS_RANK_STATE_DIR", str(tmp_path / "ranks"))
+    monkeypatch.setenv("RANK", "1")
+    rankstate.beat(7)  # the file open for in-place beats
+    real = rankstate._rank
+    handled = []
+
+    def rank_then_the_signal():
+        if not handled:
+            handled.append(True)
+            rankstate.report("stopping")  # what the handler does, at this point of beat()
+        return real()
+
+    monkeypatch.setattr(rankstate, "_rank", rank_then_the_signal)
+    rankstate.beat(8)
+    assert handled and (tmp_path / "ranks" / str(os.getpid())).read_text().split()[0] == "stopping"
+    rankstate.clear()

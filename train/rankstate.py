@@ -180,16 +180,17 @@ class RankState:
         if self.last_beat is not None and step > self.last_beat[0]:
             per_step = (now - self.last_beat[1]) / (step - self.last_beat[0])
             self.step_s = per_step if not self.step_s else 0.8 * self.step_s + 0.2 * per_step
-        if self.training_fd is None:
+        fd = self.training_fd  # read once: a SIGTERM handler may report another state (and close it) at any point
+        if fd is None:
             self.report("training", step)  # a state change: replaced atomically, so no reader sees half a word
         else:
             line = f"training rank={_rank()} step={step} step_s={self.step_s:.3f} v={protocol.VERSION}".ljust(
                 LINE_BYTES - 1) + "\n"
             try:
-                os.pwrite(self.training_fd, line.encode(), 0)  # same state word, new step: the mtime is the heartbeat
+                os.pwrite(fd, line.encode(), 0)  # same state word, new step: the mtime is the heartbeat
             except OSError:
-                pass
-            if now >= self.next_publish:
+                pass  # closed meanwhile by the handler's report: the state it wrote stands
+            if now >= self.next_publish and self.training_fd == fd:
                 self.publish(state="training", step=step)
         self.last_beat = (step, now)
 
