@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from podruntime import protocol
 from tests.support.chart import ROOT, pod_program
 from tests.support.harness import wait_for, write_projected
@@ -49,10 +51,24 @@ sys.exit(int(status))
 """
 
 
+@pytest.fixture(autouse=True)
+def no_worker_outlives_its_test():
+    """A test that fails before its workers end leaves no process behind."""
+    yield
+    for workers in Workers.started:
+        for p in workers.processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    Workers.started.clear()
+
+
 class Workers:
     """Two nossh workers on loopback, each with its own /tmp (state directory, ledger): per-pod volumes."""
 
+    started: list["Workers"] = []
+
     def __init__(self, tmp: Path, retries: int = 2, **fake: str):
+        Workers.started.append(self)
         self.tmp, self.port = tmp, free_port()
         # the chart's ConfigMap as the kubelet mounts it: the hostfile a link through ..data
         write_projected(tmp / "config", [("hostfile", "127.0.0.1 slots=1\nlocalhost slots=1\n", 0o644)], os.getgid())
