@@ -84,7 +84,7 @@ def main() -> int:
     try:
         return measure(gateway, opts)
     finally:
-        s3.down(only_if_started_by_this_session=True)
+        s3.leave()
 
 
 def measure(gateway: dict, opts: argparse.Namespace) -> int:

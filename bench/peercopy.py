@@ -171,7 +171,7 @@ def restore_from_bucket(dirs: list[Path], target: Path) -> float | None:
             raise RuntimeError(said)
         return seconds
     finally:
-        s3.down(only_if_started_by_this_session=True)
+        s3.leave()
 
 
 if __name__ == "__main__":

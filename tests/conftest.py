@@ -25,8 +25,8 @@ def release_leftover_shm_buffers():
 
 
 def pytest_configure(config):
-    """The session's id, which its pytest-xdist workers inherit: the S3 gateway is stopped by the session that
-    started it, never by another one running beside it."""
+    """The session's id, which its pytest-xdist workers inherit: the S3 gateway is stopped by the last session
+    using it, never under another one running beside it (CI runs the cluster tier beside `make test`)."""
     if not hasattr(config, "workerinput"):
         from tests.support import s3
 
@@ -45,9 +45,9 @@ def _start_early(s3) -> None:
 
 
 def pytest_sessionfinish(session):
-    """The S3 gateway this session started (tests/support/s3.py) goes with it: its controller's end, after every
-    pytest-xdist worker's."""
+    """This session is done with the S3 gateway (tests/support/s3.py), at its controller's end, after every
+    pytest-xdist worker's: the last session using it stops it."""
     if not hasattr(session.config, "workerinput"):
         from tests.support import s3
 
-        s3.down(only_if_started_by_this_session=True)
+        s3.leave()

@@ -1,6 +1,7 @@
 """A real S3-compatible store for the tests: ../shared/s3/local-s3.sh, Ceph's RADOS Gateway on a one-OSD Ceph (root),
-started by the first test process that needs it (the others reuse it, under a lock) and stopped when the session
-ends (conftest.py). Each test makes a bucket of its own."""
+started by the first test process that needs it (the others reuse it, under a lock) and stopped when the last
+session using it ends (conftest.py): CI runs the cluster tier beside `make test`, and both use it. Each test makes a
+bucket of its own."""
 
 import fcntl
 import os
@@ -29,12 +30,26 @@ def unavailable() -> str | None:
     return None
 
 
-SESSION_ENV = "DS_TEST_S3_SESSION"  # the pytest session (or bench) that started the gateway
-STARTED_BY = STATE / "started-by"
+SESSION_ENV = "DS_TEST_S3_SESSION"  # the pytest session (or bench) using the gateway: "<pid>.<start time>" of its controller
+STARTED_BY = STATE / "started-by"  # present: a session started it (or found it unclaimed), and the last one stops it
+USERS = STATE / "sessions"  # one file per session that used it
 
 
 def claim_session() -> None:
-    os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+    os.environ.setdefault(SESSION_ENV, _process_id(os.getpid()) or "")
+
+
+def _process_id(pid: int) -> str | None:
+    """pid and its start time: names one process, never a later one that reuses its pid."""
+    try:
+        return f"{pid}.{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(session: str) -> bool:
+    pid, _, _ = session.partition(".")
+    return pid.isdigit() and _process_id(int(pid)) == session
 
 
 def up() -> dict[str, str]:
@@ -56,6 +71,9 @@ def up() -> dict[str, str]:
             raise RuntimeError(f"local-s3.sh up failed: {proc.stderr[-2000:]}")
         if not running or not STARTED_BY.is_file():
             STARTED_BY.write_text(os.environ.get(SESSION_ENV, ""))
+        if session := os.environ.get(SESSION_ENV):
+            USERS.mkdir(exist_ok=True)
+            (USERS / session).touch()
     env = {}
     for line in (STATE / "env").read_text().splitlines():
         key, _, value = line.partition("=")
@@ -63,15 +81,24 @@ def up() -> dict[str, str]:
     return env
 
 
-def down(only_if_started_by_this_session: bool = False) -> None:
+def leave() -> None:
+    """This session is done with the gateway: stopped if a session started it and no other live one uses it."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not STATE.exists():
+            return
+        if session := os.environ.get(SESSION_ENV):
+            (USERS / session).unlink(missing_ok=True)
+        others = [user.name for user in USERS.glob("*") if _alive(user.name)] if USERS.is_dir() else []
+        if STARTED_BY.is_file() and not others:
+            down()
+
+
+def down() -> None:
+    """Stops the gateway and removes its state (objects included), whoever uses it."""
     if not STATE.exists():
         return
-    if only_if_started_by_this_session:
-        try:
-            if STARTED_BY.read_text() != os.environ.get(SESSION_ENV):
-                return
-        except OSError:
-            return
     daemons = _daemons()
     subprocess.run(["bash", str(SCRIPT), "down", str(STATE)], capture_output=True, timeout=120)
     if STATE.exists():
