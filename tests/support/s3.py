@@ -30,7 +30,7 @@ def unavailable() -> str | None:
     return None
 
 
-SESSION_ENV = "DS_TEST_S3_SESSION"  # the pytest session (or bench) using the gateway: "<pid>.<start time>" of its controller
+SESSION_ENV = "DS_TEST_S3_SESSION"  # a pytest session (or bench) using it: "<pid>.<start time>" of its controller
 STARTED_BY = STATE / "started-by"  # present: a session started it (or found it unclaimed), and the last one stops it
 USERS = STATE / "sessions"  # one file per session that used it
 
