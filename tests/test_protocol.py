@@ -176,6 +176,17 @@ def test_among_ranks_with_evidence_against_them_the_oldest_beat_is_the_culprit()
     assert causes.merge_hang_reports([]) is None
 
 
+def test_when_every_rank_that_reported_waits_the_culprit_is_on_another_host_never_a_waiting_rank():
+    """One host's evidence alone (its ranks wait for a peer elsewhere, whose watchdog did not report): the reason says
+    so, and names no culprit; the cause then keeps the rank's own word where one came."""
+    merged = causes.merge_hang_reports([report("w-0", (0, "in-collective", 1000.0, "waits in a collective"),
+                                               (1, "in-collective", 990.0, "waits in a collective"))])
+    assert merged["culprit"] is None and [v["rank"] for v in merged["victims"]] == [1, 0]
+    assert merged["reason"].startswith("hang: every rank that reported waits in a collective (rank 1 on w-0, rank 0 "
+                                       "on w-0): the culprit is on another host"), merged["reason"]
+    assert "likely culprit" not in merged["reason"]
+
+
 @pytest.mark.parametrize("hostile", [[1, 2], {"v": 99, "ranks": []}, {"v": 2, "ranks": [{"kind": "rm -rf"}]},
                                      {"v": 2, "ranks": "x"}, {"v": 2, "host": "h\x1b[2J" * 200, "ranks": [
                                          {"rank": "0", "kind": "stopped", "last_beat": 1, "where": "w" * 5000}]}])

@@ -62,11 +62,18 @@ CULPRIT_WORDS = {"stopped": "its process is stopped", "unresponsive": "it did no
 def merge_hang_reports(reports: list[dict]) -> dict | None:
     """The job's verdict on a hung attempt from every host's report: the culprit is the rank whose state speaks
     most against it (CULPRIT_ORDER), and among those the one whose last beat is oldest; the ranks waiting in
-    collectives are its victims. None without reports. {"culprit": rank, "victims": [ranks], "reason": one line}."""
+    collectives are its victims; when every rank reported waits, the culprit is None (on a host that did not report:
+    never a waiting rank). None without reports. {"culprit": rank or None, "victims": [ranks], "reason": one line}."""
     ranks = sorted((rank for report in reports for rank in report["ranks"]),
                    key=lambda r: (CULPRIT_ORDER.index(r["kind"]), r["last_beat"], r["rank"]))
     if not ranks:
         return None
+    if ranks[0]["kind"] == "in-collective":  # every rank reported waits: what they wait for is on a silent host
+        shown = ", ".join(f"rank {r['rank']} on {r['host']}" for r in ranks[:3])
+        more = f" and {len(ranks) - 3} more" if len(ranks) > 3 else ""
+        return {"culprit": None, "victims": ranks, "reason": clean(
+            f"hang: every rank that reported waits in a collective ({shown}{more}): the culprit is on another host, "
+            "whose watchdog did not report", 1000)}
     culprit, victims = ranks[0], [r for r in ranks[1:] if r["kind"] == "in-collective"]
     step = f", after step {culprit['step']}" if culprit["step"] is not None else ""
     where = "" if culprit["kind"] == "stopped" else f": {culprit['where']}"
@@ -147,7 +154,7 @@ def _hang_first(f: Facts) -> bool:
 def _hang(f: Facts) -> dict:
     culprit = f.hang["culprit"]
     return {"cause": "hang", "reason": f"attempt {f.attempt} ended: {f.hang['reason']}",
-            "culprit": f"rank {culprit['rank']} on {culprit['host']}"}
+            **({"culprit": f"rank {culprit['rank']} on {culprit['host']}"} if culprit else {})}
 
 
 def _lost(f: Facts) -> dict:
@@ -161,7 +168,7 @@ def _lost(f: Facts) -> dict:
 def _rank_word(f: Facts) -> dict:
     record = f.word
     at = f" at step {record['step']}" if record["step"] is not None else ""
-    culprit = f.hang["culprit"] if f.hang else record
+    culprit = f.hang["culprit"] if f.hang and f.hang["culprit"] else record
     return {"cause": record["cause"], "error": record["line"],
             "culprit": f"rank {culprit['rank']} on {culprit['host']}",
             "reason": f"attempt {f.attempt} ended: {record['cause']}: rank {record['rank']} on {record['host']}{at}: "
