@@ -239,3 +239,16 @@ def test_a_channel_message_is_typed_on_arrival(line):
         message["evidence"]["ends"] == [] and protocol.valid_host_evidence(message["evidence"]) == message["evidence"])
     legit = channel.decode(channel.encode("go", env={"DS_ATTEMPT": "2"}))
     assert legit["m"] == "go" and legit["env"] == {"DS_ATTEMPT": "2"}
+
+
+@pytest.mark.parametrize("fields", [{"since": "yesterday", "who": "r\x1b[2J" * 500}, {"since": [1], "who": {"a": 1}},
+                                    {"since": float("inf"), "who": None}, {}])
+def test_a_watchdogs_word_that_ranks_wait_is_typed_on_arrival(fields):
+    """`waiting` (watchdog.py) crosses hosts through the ledger's owner: its time a number (0: none, the oldest, which
+    no rank's last step follows closely enough to count), its `who` one bounded line."""
+    message = channel.decode(channel.encode("waiting", run="run-0001-a", **fields))
+    assert message["m"] == "waiting" and message["run"] == "run-0001-a"
+    assert isinstance(message["since"], float) and message["since"] in (0.0, float("inf")) or fields == {}
+    assert isinstance(message["who"], str) and len(message["who"]) <= 300 and "\x1b" not in message["who"]
+    legit = channel.decode(channel.encode("waiting", run="run-0001-a", since=1000.5, who="rank 1 on w-1"))
+    assert (legit["since"], legit["who"]) == (1000.5, "rank 1 on w-1")

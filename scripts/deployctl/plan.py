@@ -152,7 +152,9 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"collective timeout {r.effective['deepspeed']['collectiveTimeoutMinutes']} min",
         "  hangs       " + (f"watchdog in the worker pods: {hang['startupSeconds']} s to a rank's first step, then "
                              f"{hang['stepSeconds']} s (or 10x its step time) per step, {hang['checkpointSeconds']} s "
-                             "per save or restore" if hang["enabled"]
+                             "per save or restore" + (f"; {hang['signalSeconds']} s for a stopped rank, or one idle "
+                                                      "outside any collective while a peer waits in one"
+                                                      if hang["signalSeconds"] else "") if hang["enabled"]
                              else "no watchdog (hangDetection.enabled: false): only the collective timeout"),
         f"  program     {program} ({train['argsConvention']} arguments"
         + (", fills the ds_config's \"auto\" values)" if train["fillsDsConfigAuto"] else ")"),

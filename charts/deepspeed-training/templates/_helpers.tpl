@@ -380,6 +380,8 @@ and the pod need to stop. */}}
   value: {{ .stepSeconds | int | quote }}
 - name: DS_HANG_CHECKPOINT_SECONDS
   value: {{ .checkpointSeconds | int | quote }}
+- name: DS_HANG_SIGNAL_SECONDS
+  value: {{ .signalSeconds | int | quote }}
 # torch's flight recorder (gloo and NCCL): the last 2,000 collectives of each rank, which the watchdog has a
 # hung rank dump (train/rankstate.py serves it).
 - name: TORCH_FR_BUFFER_SIZE

@@ -10,15 +10,20 @@ drops). Messages:
                  end {index, evidence?, run?, holds?}   my run of the attempt ended: my evidence of it (a run
                                            that ended well: its run ID only; then the worker may leave)
                  stopping {index, host}    my pod got SIGTERM: the attempt is a preemption (before my ranks stop)
+                 waiting {run, since, who} my watchdog found my ranks of `run` waiting in a collective since `since`
+                                           (wall time of their last step) without a step: the hub tells every host
   hub -> spoke   go {env, resume?}         the attempt begins: its env for every rank (and the peer copy's plan:
                                            the tag every worker resumes from, who fetches it from its peer)
                  stop {cause, reason}      a stop rule ends the job (why, in the ledger's words)
                  halt {run, reason}        a host left run `run` (its pod got SIGTERM, or its connection dropped
                                            mid-run): stop your ranks of it now, or never start them (the ranks
                                            left would wait for it in their rendezvous or a collective: minutes)
+                 waiting {run, since, who} a host's ranks wait (above): a rank here idle outside any collective is
+                                           what they wait for (watchdog.py)
 ssh: every worker's agent serves a Listener; the launcher keeps a Spoke connected to each (index: the worker's), and
-the agent sends `stopping` over it when its pod gets SIGTERM, before its ranks stop. The ranks' own processes start
-and end with each attempt; the channel does not.
+the agent sends `stopping` over it when its pod gets SIGTERM, before its ranks stop, and `waiting` when its watchdog
+finds its ranks waiting, which the launcher sends on to every agent. The ranks' own processes start and end with
+each attempt; the channel does not.
 """
 
 import json
@@ -35,7 +40,8 @@ from podruntime.text import clean, complete_lines
 
 LINE_BYTES = 192 * 1024  # a message: an evidence record (64 KiB of hang report, 64 end records) and its envelope
 RETRY_S = 0.25  # a refused connection costs nothing: the spoke tries again at once
-KINDS = {"join", "end", "stopping", "go", "stop", "halt"}
+KINDS = {"join", "end", "stopping", "go", "stop", "halt", "waiting"}
+Handlers = dict[str, Callable[[dict], None]]  # a message kind -> what takes it on arrival (in a thread of its own)
 
 
 def encode(kind: str, **fields) -> bytes:
@@ -57,6 +63,9 @@ def decode(line: bytes | str) -> dict | None:
         message["cause"] = clean(value["cause"], 64)
     if value.get("reason") is not None:
         message["reason"] = clean(value["reason"], 1000)
+    if value["m"] == "waiting":
+        message["since"] = protocol.number(value.get("since")) or 0.0
+        message["who"] = clean(value.get("who", ""), 300)
     for key in ("holds", "resume"):  # the peer copy's (peercopy.py types them where it reads them)
         if isinstance(value.get(key), dict):
             message[key] = value[key]
@@ -68,8 +77,8 @@ class Hub:
     connection is (index, {"m": "gone"})), and sends to them. A thread of its own, on the system's selector (epoll:
     thousands of workers, where select() stops at 1,024 descriptors)."""
 
-    def __init__(self, port: int, expected: set[int]):
-        self.expected = expected
+    def __init__(self, port: int, expected: set[int], handlers: Handlers | None = None):
+        self.expected, self.handlers = expected, handlers or {}
         self.inbox: queue.Queue = queue.Queue()
         self.connections: dict[int, socket.socket] = {}  # index -> its connection (any thread, under the lock)
         self.peers: dict[socket.socket, list] = {}  # connection -> [index or None, unread bytes] (the hub's thread)
@@ -111,6 +120,9 @@ class Hub:
                     self.drop(sock)
                     return
                 self.adopt(sock, message["index"])
+            if message["m"] in self.handlers:
+                handle(self.handlers[message["m"]], {**message, "index": peer[0]})
+                continue
             self.inbox.put((peer[0], message))
         peer[1] = rest
 
@@ -143,6 +155,11 @@ class Hub:
             return False  # it left just now: its reconnect, or the run's rendezvous, will tell
 
 
+def handle(handler: Callable[[dict], None], message: dict) -> None:
+    """`message` to its handler, in a thread of its own: the reader goes on reading."""
+    threading.Thread(target=handler, args=(message,), name=message["m"], daemon=True).start()
+
+
 def listen(port: int) -> socket.socket:
     """IPv4 and IPv6 where the pod has both, else IPv4 (SO_REUSEADDR: a restarted worker 0 listens again at once)."""
     try:
@@ -168,12 +185,13 @@ def accept_each(server: socket.socket, handle: Callable[[socket.socket], None], 
 
 class Spoke:
     """One connection to a host's hub or listener (nossh: a worker's to worker 0; ssh: the launcher's to each
-    worker), made again when it drops; its messages in `inbox` (shared by several spokes: (index, message)), but a
-    `halt` to `on_halt` at once, in a thread of its own (the inbox is read between runs only)."""
+    worker), made again when it drops; its messages in `inbox` (shared by several spokes: (index, message)), but those
+    of a kind in `handlers` (a `halt`, a `waiting`) to their handler at once (the inbox may be read between runs
+    only)."""
 
     def __init__(self, index: int, host0: str, port: int, inbox: queue.Queue | None = None,
-                 on_halt: Callable[[dict], None] | None = None):
-        self.index, self.host0, self.port, self.on_halt = index, host0, port, on_halt
+                 handlers: Handlers | None = None):
+        self.index, self.host0, self.port, self.handlers = index, host0, port, handlers or {}
         self.shared = inbox is not None
         self.inbox: queue.Queue = inbox if inbox is not None else queue.Queue()
         self.sock: socket.socket | None = None
@@ -215,8 +233,8 @@ class Spoke:
             *lines, buffer = (buffer + data).split(b"\n")
             for line in lines:
                 message = decode(line)
-                if message is not None and message["m"] == "halt" and self.on_halt is not None:
-                    threading.Thread(target=self.on_halt, args=(message,), name="halt", daemon=True).start()
+                if message is not None and message["m"] in self.handlers:
+                    handle(self.handlers[message["m"]], {**message, "index": self.index})
                 elif message is not None:
                     self.put(message)
         if self.sock is sock:
@@ -240,10 +258,11 @@ class Spoke:
 
 
 class Listener:
-    """An ssh worker agent's end: accepts the launcher's connections (any that says `join`) and sends to all of them.
-    A thread of its own."""
+    """An ssh worker agent's end: accepts the launcher's connections (any that says `join`) and sends to all of them;
+    what they send after the join goes to `handlers` by its kind (others are dropped). A thread of its own."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, handlers: Handlers | None = None):
+        self.handlers = handlers or {}
         self.server = listen(port)
         self.connections: list[socket.socket] = []
         self.lock = threading.Lock()
@@ -253,22 +272,24 @@ class Listener:
         accept_each(self.server, self.hold, "listener-peer")
 
     def hold(self, conn: socket.socket) -> None:
-        """Keeps a connection once it said `join`, until it closes (what else it sends is not read)."""
-        first, joined = b"", False
+        """Keeps a connection once it said `join`, until it closes, reading its messages."""
+        buffer, joined = b"", False
         try:
-            while b"\n" not in first and len(first) < LINE_BYTES:
+            while True:
                 data = conn.recv(65536)
-                if not data:
+                lines, buffer = complete_lines(buffer + data)
+                if not data or len(buffer) > LINE_BYTES:
                     return
-                first += data
-            message = decode(first.split(b"\n", 1)[0])
-            if message is None or message["m"] != "join":
-                return
-            with self.lock:
-                self.connections.append(conn)
-                joined = True
-            while conn.recv(65536):
-                pass
+                for line in lines:
+                    message = decode(line)
+                    if not joined:
+                        if message is None or message["m"] != "join":
+                            return
+                        with self.lock:
+                            self.connections.append(conn)
+                            joined = True
+                    elif message is not None and message["m"] in self.handlers:
+                        handle(self.handlers[message["m"]], message)
         except OSError:
             pass
         finally:

@@ -60,7 +60,8 @@ def nossh_worker(argv: list[str]) -> int:
     hosts = hosts_of(f"{os.environ['DS_CONFIG_DIR']}/hostfile")
     peer = peercopy.start(hosts, int(index))
     mode = nosshmode.Worker(int(index), hosts, int(os.environ["DS_CHANNEL_PORT"]),
-                            float(os.environ.get("DS_WAIT_TIMEOUT_SECONDS", "300") or 300), argv, ledger, peer=peer)
+                            float(os.environ.get("DS_WAIT_TIMEOUT_SECONDS", "300") or 300), argv, ledger, peer=peer,
+                            watchdog=watchdog)
     return AttemptLoop(mode, ledger, mode.log).run()
 
 

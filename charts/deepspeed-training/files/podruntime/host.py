@@ -114,6 +114,59 @@ def processes(uid: int | None = None) -> list[Process]:
     return found
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What one process has done so far, from two small /proc reads: its state letter (R, S, D, T, ...), the CPU
+    time of all its threads in clock ticks, and the bytes it moved through read/write system calls (rchar + wchar:
+    files, pipes and sockets read with read(); None where /proc/<pid>/io is not ours to read)."""
+    state: str
+    cpu_ticks: int
+    io_bytes: int | None
+
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def usage(pid: int) -> Usage | None:
+    """`pid`'s Usage, or None once it is gone."""
+    stat = (_read(PROC / str(pid) / "stat", 4096) or b"").decode(errors="replace")
+    try:
+        fields = stat.rsplit(")", 1)[1].split()
+        state, ticks = fields[0], int(fields[11]) + int(fields[12])  # utime + stime
+    except (IndexError, ValueError):
+        return None
+    io = {}
+    for line in (_read(PROC / str(pid) / "io", 4096) or b"").decode(errors="replace").splitlines():
+        name, _, value = line.partition(":")
+        io[name] = value.strip()
+    moved = (int(io["rchar"]) + int(io["wchar"])) if io.get("rchar", "").isdigit() and io.get(
+        "wchar", "").isdigit() else None
+    return Usage(state, ticks, moved)
+
+
+def descendants(roots: list[int]) -> dict[int, list[int]]:
+    """Each root pid's processes: itself and every process below it (its data loader's workers, a compiler), from one
+    pass over /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = (_read(entry / "stat", 4096) or b"").decode(errors="replace")
+        try:
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+        except (IndexError, ValueError):
+            continue
+    found = {}
+    for root in roots:
+        tree, todo = [], [root]
+        while todo and len(tree) < 4096:
+            pid = todo.pop()
+            tree.append(pid)
+            todo.extend(children.get(pid, ()))
+        found[root] = tree
+    return found
+
+
 def oom_kills() -> int | None:
     """The OOM kills this container's memory cgroup has counted, or None where it counts none."""
     for path in OOM_COUNTERS:

@@ -24,6 +24,7 @@ from podruntime.ledger import Began, Ledger, Stopped, last_word
 from podruntime.loop import Child
 from podruntime.tenantfiles import Tree
 from podruntime.text import Log
+from podruntime.watchdog import Watchdog
 
 LOG_EVERY_S = 5
 
@@ -32,8 +33,10 @@ class Worker:
     """A nossh worker's side of the loop (Mode); worker 0 also owns the ledger and the hub."""
 
     def __init__(self, index: int, hosts: list[str], port: int, timeout: float, command: list[str],
-                 ledger: Ledger | None, env=os.environ, peer: peercopy.Running | None = None):
+                 ledger: Ledger | None, env=os.environ, peer: peercopy.Running | None = None,
+                 watchdog: Watchdog | None = None):
         self.index, self.hosts, self.port, self.timeout = index, hosts, port, timeout
+        self.watchdog = watchdog
         self.command = [command[0], f"--node_rank={index}", *command[1:]]
         self.ledger, self.env = ledger, env
         # The peer copy (on per-worker volumes): what each host holds goes to worker 0 with its join or end, worker
@@ -51,8 +54,11 @@ class Worker:
         self.state = Tree(state, self.log) if state else None
         self.owner = index == 0
         self.workers = set(range(1, len(hosts)))
-        self.hub = channel.Hub(port, self.workers) if self.owner else None
-        self.spoke = None if self.owner else channel.Spoke(index, hosts[0], port, on_halt=self.on_halt)
+        self.hub = channel.Hub(port, self.workers, {"waiting": self.relay_waiting}) if self.owner else None
+        self.spoke = None if self.owner else channel.Spoke(index, hosts[0], port, handlers={
+            "halt": self.on_halt, "waiting": self.on_waiting})
+        if watchdog is not None:
+            watchdog.announce = self.announce_waiting
         # The hub's view of the workers, kept by its dispatcher thread: who is ready for the next attempt (joined,
         # or ended the last), who runs the current one, and their evidence of it.
         self.changed = threading.Condition()
@@ -129,6 +135,26 @@ class Worker:
 
     def on_halt(self, message: dict) -> None:
         self.halt(message.get("run", ""), f"worker 0 says {message.get('reason') or 'a host left the run'}")
+
+    # ---- the watchdogs' word that a host's ranks wait in a collective (watchdog.py): worker 0 tells every host
+
+    def announce_waiting(self, run: str, since: float, who: str) -> None:
+        if self.hub is not None:
+            self.relay_waiting({"run": run, "since": since, "who": who, "index": None})
+        else:
+            self.spoke.send(channel.encode("waiting", run=run, since=since, who=who))
+
+    def relay_waiting(self, message: dict) -> None:
+        """Worker 0: a host's `waiting` (`index`; None: this host's own) to every other host and its watchdog."""
+        data = channel.encode("waiting", run=message["run"], since=message["since"], who=message["who"])
+        for index in sorted(self.workers - {message["index"]}):
+            self.hub.send(index, data)
+        if message["index"] is not None:
+            self.on_waiting(message)
+
+    def on_waiting(self, message: dict) -> None:
+        if self.watchdog is not None:
+            self.watchdog.notice(message["run"], message["since"], message["who"])
 
     def wait_until(self, done, deadline: float, waiting) -> bool:
         """Waits (logging `waiting(left)` every LOG_EVERY_S) until done() under the lock; False at the deadline."""

@@ -160,7 +160,8 @@ class Launcher:
         self.hosts = hosts_of(f"{env['DS_CONFIG_DIR']}/hostfile")
         self.inbox: queue.Queue = queue.Queue()
         port = int(env.get("DS_CHANNEL_PORT", "0") or 0)
-        self.spokes = [channel.Spoke(i, name, port, self.inbox) for i, name in enumerate(self.hosts)] if port else []
+        self.spokes = [channel.Spoke(i, name, port, self.inbox, {"waiting": self.relay_waiting})
+                       for i, name in enumerate(self.hosts)] if port else []
         threading.Thread(target=self.dispatch, name="dispatch", daemon=True).start()
         self.child = Child()
         self.stopped = threading.Event()  # SIGTERM: the meeting waits no longer
@@ -245,6 +246,13 @@ class Launcher:
         for spoke in [spoke for spoke in missing if spoke.sock is None]:
             self.log(f"no channel to {spoke.host0}:{spoke.port} ({spoke.reason}): its SIGTERM reaches the ledger "
                      "with its evidence only")
+
+    def relay_waiting(self, message: dict) -> None:
+        """A worker's watchdog found its ranks waiting in a collective (watchdog.py): said to every other worker."""
+        data = channel.encode("waiting", run=message["run"], since=message["since"], who=message["who"])
+        for spoke in self.spokes:
+            if spoke.index != message["index"]:
+                spoke.send(data)
 
     def dispatch(self) -> None:
         while True:
@@ -382,14 +390,19 @@ def worker_agent(env=os.environ) -> int:
     ssh_setup(env)
     Tree(env["HOME"]).write(".ssh/environment", ssh_environment(env, log), mode=0o600)
     port = int(env.get("DS_CHANNEL_PORT", "0") or 0)
-    listener = channel.Listener(port) if port else None  # listening before sshd answers: the launcher then connects
+    watchdog = Watchdog.from_env(env)
+    # Listening before sshd answers: the launcher then connects. It tells this host when another's ranks wait.
+    listener = channel.Listener(port, {"waiting": lambda message: watchdog.notice(
+        message["run"], message["since"], message["who"])} if watchdog is not None else None) if port else None
+    if watchdog is not None and listener is not None:
+        watchdog.announce = lambda run, since, who: listener.broadcast(channel.encode(
+            "waiting", run=run, since=since, who=who))
     peer = peercopy.start(hosts_of(f"{env['DS_CONFIG_DIR']}/hostfile"), env=env) if env.get(peercopy.PORT_ENV) \
         else None
     sshd = subprocess.Popen([host.program("sshd", "/usr/sbin/sshd"), "-D", "-e", "-f",
                              f"{env['HOME']}/.ssh/sshd_config"])
     stopping = threading.Event()
-    watchdog = Watchdog.from_env(env)  # after sshd: the launcher's meeting waits for sshd, never for the watchdog
-    if watchdog is not None:
+    if watchdog is not None:  # after sshd: the launcher's meeting waits for sshd, never for the watchdog
         watchdog.start(stopping)
 
     def stop(signum, frame) -> None:

@@ -8,6 +8,21 @@ own recent step time, whichever is larger, and DS_HANG_CHECKPOINT_SECONDS while 
 stopped in the middle of a save hangs its peers there too). Time in those two does not count against the step
 budget; `stopping` is never judged (the pod's grace period bounds it), and a program that reports nothing never is.
 
+Two signals end a hang sooner than any budget (DS_HANG_SIGNAL_SECONDS, the signal window; 0: off). Every poll the
+watchdog reads each rank's /proc state, the CPU time and read/write bytes of the rank and every process below it
+(host.usage: two small reads a process), never the rank itself:
+- a rank whose process has been stopped (state T: SIGSTOP, a stop signal) for the whole window, without a step
+  meanwhile: it cannot run, and every peer waits for it;
+- a rank that made no step, used under IDLE_CPU_SHARE of a core, moved no byte, started no process and had none in
+  uninterruptible sleep (D: waiting on storage) for the whole window, outside a checkpoint state, and whose stack
+  (one dump, confirmed) is outside any collective with no thread reading the network, while a peer waits in a
+  collective: one of this host's ranks (from the same dump), or one on another host, whose watchdog found it
+  waiting the same way and said so over the attempt loop's channel (`waiting`, relayed by the ledger's owner to
+  every host: set `announce`, feed `notice`). A peer that began waiting long before this rank's last step waited
+  for something else. A busy rank (a long first step, an evaluation, a compilation), one still reading (I/O), one
+  in a save or restore, and one whose peers do not wait are left to the budgets: a straggler is slow, not hung.
+The stacks of ranks without a step for the window are read once, then at doubling intervals while no step comes.
+
 On a hang, before anything is killed, every rank of this pod is asked for its stacks and torch's flight recorder
 through its diagnostics FIFO (protocol.DIAG_REQUEST_SUFFIX): a thread of the rank answers with the GIL held, so no
 other thread of it runs Python while its frames are read. Only a rank that cannot answer that way (no thread, or one
@@ -26,6 +41,9 @@ import re
 import signal
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from itertools import pairwise
 
 from podruntime import host, protocol
 from podruntime.ledger import component, job_tree
@@ -37,6 +55,11 @@ DUMP_WAIT_S = 3.0
 COLLECTIVE_PATHS = ("torch/distributed/", "deepspeed/comm/", "deepspeed/runtime/pipe/p2p")
 FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 STACKS_BYTES = 4 << 20  # of one rank's stacks file
+IDLE_CPU_SHARE = 0.02  # of one core, over the window: a CPython whose threads all block uses none
+# A thread in one of these reads the network (recv() moves no rchar): a data loader still downloading is not idle.
+NETWORK_PATHS = ("/socket.py", "/ssl.py", "/selectors.py", "/http/client.py", "/asyncio/")
+LOOK_AGAIN_MAX_S = 300.0
+CLOCK_SKEW_S = 60.0  # hosts' wall clocks may differ by this much (a `waiting` carries the wall time of a last step)  # an idle rank's stacks are read again at doubling intervals, up to this
 
 
 class Rank:
@@ -46,6 +69,37 @@ class Rank:
         self.pid, self.uncounted_until = pid, 0.0
         self.state, self.step, self.step_s, self.mtime = "starting", None, 0.0, time.time()
         self.env = host.environ(pid)
+        self.samples: deque[tuple[float, dict[int, host.Usage]]] = deque()  # (monotonic time, its processes' usage)
+
+    def sample(self, now: float, usages: dict[int, host.Usage], window: float) -> None:
+        """Keeps the samples of the last `window` seconds, and the one just before them."""
+        self.samples.append((now, usages))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - window:
+            self.samples.popleft()
+
+    def stopped_for(self, now: float) -> float:
+        """Seconds the rank's process has been in state T in every sample since (0: it runs)."""
+        since = now
+        for at, usages in reversed(self.samples):
+            if (found := usages.get(self.pid)) is None or found.state != "T":
+                break
+            since = at
+        return now - since
+
+    def idle_for(self, now: float) -> float:
+        """Seconds over which the rank's processes, sample after sample, used under IDLE_CPU_SHARE of a core, moved no
+        byte, started no process and had none in state D (0: not idle)."""
+        since, ticks = now, 0
+        for (at, older), (_, newer) in reversed(list(pairwise(self.samples))):
+            if not newer.keys() <= older.keys() or any(u.state == "D" or u.io_bytes is None
+                                                       or older[pid].io_bytes != u.io_bytes
+                                                       for pid, u in newer.items()):
+                break
+            ticks += sum(u.cpu_ticks - older[pid].cpu_ticks for pid, u in newer.items())
+            if ticks > max(1.0, IDLE_CPU_SHARE * (now - at) * host.TICKS_PER_S):
+                break
+            since = at
+        return now - since
 
     def refresh(self, state: Tree, now: float) -> bool:
         """Re-reads the state file; False when it is gone."""
@@ -77,6 +131,21 @@ class Rank:
 
     def name(self) -> str:
         return f"rank {self.env.get('RANK', '?')} (pid {self.pid}, local rank {self.env.get('LOCAL_RANK', '?')})"
+
+
+def run_of(ranks: list[Rank]) -> str:
+    """The run these ranks belong to (their DS_RUN_ID), as a file name may hold it."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", next((r.env["DS_RUN_ID"] for r in ranks if r.env.get("DS_RUN_ID")), "run"))
+
+
+def reads_network(stacks: str) -> bool:
+    """Some thread of the rank is in a network read (socket, ssl, http, asyncio): it may still be receiving."""
+    return any(any(part in file for part in NETWORK_PATHS) for file, _, _ in frames_of(stacks))
+
+
+def frames_of(stacks: str) -> list[tuple[str, int, str]]:
+    """(file, line, function) of every frame of every thread."""
+    return [(m["file"], int(m["line"]), m["func"]) for m in map(FRAME.match, stacks.splitlines()) if m]
 
 
 def main_thread(stacks: str) -> list[tuple[str, int, str]]:
@@ -128,12 +197,16 @@ class Dumps:
         self.stacks: dict[int, str] = {}
         self.recorders: dict[int, dict] = {}
 
-    def collect(self) -> None:
+    def collect(self, by_signal: bool = True) -> None:
+        """by_signal=False: by the FIFO only. A rank whose program never registered faulthandler would die of
+        DUMP_SIGNAL (its default action), which only a rank about to be killed may risk."""
         for rank in self.ranks:
             self.state.remove(f"{rank.pid}{protocol.FR_DUMP_SUFFIX}")
         asked = [r for r in self.ranks if self.state.poke_fifo(
             f"{r.pid}{protocol.DIAG_REQUEST_SUFFIX}", protocol.DIAG_STACKS + protocol.DIAG_FLIGHT_RECORDER)]
         self._wait(asked, recorders=True)
+        if not by_signal:
+            return
         # A rank with no diagnostics thread, or one that never got the GIL: faulthandler from a signal handler.
         silent = [r for r in self.ranks if r.pid not in self.stacks]
         for rank in silent:
@@ -170,6 +243,12 @@ class Watchdog:
         self.state, self.budgets, self.checkpoints, self.log = state, budgets, checkpoints, log
         self.ranks: dict[int, Rank] = {}
         self.ended: set[int] = set()  # killed here: judged once
+        # The idle-rank signal: who was looked at (pids), the dump and each rank's place then, when to look again.
+        self.looked: tuple[frozenset[int], Dumps, dict[int, tuple[str, str, str]]] | None = None
+        self.look_again_at, self.look_every = 0.0, budgets.get("signals", 0.0)
+        self.announce: Callable[[str, float, str], None] | None = None  # (run, since, who): this host's ranks wait
+        self.waiting: dict[str, list[tuple[float, str]]] = {}  # run -> (since, who) of peers waiting on other hosts
+        self.lock = threading.Lock()
 
     @classmethod
     def from_env(cls, env=os.environ, log: Log | None = None) -> "Watchdog | None":
@@ -177,17 +256,20 @@ class Watchdog:
         if env.get("DS_HANG_DETECTION", "off") != "on":
             return None
         budgets = {"starting": float(env["DS_HANG_STARTUP_SECONDS"]), "training": float(env["DS_HANG_STEP_SECONDS"]),
-                   "checkpoint": float(env["DS_HANG_CHECKPOINT_SECONDS"])}
+                   "checkpoint": float(env["DS_HANG_CHECKPOINT_SECONDS"]),
+                   "signals": float(env.get("DS_HANG_SIGNAL_SECONDS", "0") or 0)}
         checkpoints = env.get("DS_CHECKPOINT_DIR", "")
         log = log or Log(f"watchdog: {host.hostname()}")
         return cls(Tree(env[protocol.STATE_DIR_ENV], log), budgets, Tree(checkpoints, log) if checkpoints else None,
                    log)
 
     def start(self, stop: threading.Event) -> threading.Thread:
+        signals = self.budgets.get("signals", 0)
         self.log(f"watching the ranks' progress in {self.state.path()}: a rank is hung after "
                  f"{self.budgets['starting']:.0f}s without a first step, then {self.budgets['training']:.0f}s (or "
                  f"{protocol.STEP_MULTIPLE}x its step time) without a new one, or {self.budgets['checkpoint']:.0f}s "
-                 "in one save or restore")
+                 "in one save or restore" + (f"; sooner, {signals:.0f}s stopped, or idle outside any collective "
+                                             "while a peer waits in one" if signals > 0 else ""))
         thread = threading.Thread(target=self.run, args=(stop,), name="watchdog", daemon=True)
         thread.start()
         return thread
@@ -215,13 +297,16 @@ class Watchdog:
 
     def check(self, now: float, wall_now: float) -> None:
         self.refresh(now)
-        hung = [(r, r.quiet_for(now, wall_now), r.budget(self.budgets)) for r in self.ranks.values()
-                if r.state != "stopping"]
-        hung = [h for h in hung if h[1] > h[2]]
+        judged = [r for r in self.ranks.values() if r.state != "stopping"]
+        hung = [(r, quiet, f"budget {budget:.0f}s") for r in judged
+                if (quiet := r.quiet_for(now, wall_now)) > (budget := r.budget(self.budgets))]
+        dumps = None
+        if not hung and self.budgets.get("signals", 0) > 0:
+            hung, dumps = self.signals(now, wall_now, judged)
         if not hung:
             return
         victims = list(self.ranks.values())
-        self.report(hung, victims)
+        self.report(hung, victims, dumps)
         self.log(f"ending the attempt: SIGKILL to {', '.join(r.name() for r in victims)}")
         for rank in victims:
             try:
@@ -230,16 +315,77 @@ class Watchdog:
                 pass
             del self.ranks[rank.pid]
             self.ended.add(rank.pid)
+        self.looked, self.look_every = None, self.budgets.get("signals", 0.0)
 
-    def report(self, hung: list[tuple[Rank, float, float]], ranks: list[Rank]) -> None:
+    def signals(self, now: float, wall_now: float, ranks: list[Rank]) -> tuple[list[tuple[Rank, float, str]],
+                                                                                "Dumps | None"]:
+        """The ranks found hung by their signals before any budget (the module's doc), and the dump that confirmed
+        it (None: none was needed)."""
+        window = self.budgets["signals"]
+        trees = host.descendants([r.pid for r in ranks])
+        for rank in ranks:
+            rank.sample(now, {pid: found for pid in trees.get(rank.pid, [rank.pid])
+                              if (found := host.usage(pid)) is not None}, window)
+        quiet = {r.pid: r.quiet_for(now, wall_now) for r in ranks}
+        stopped = [(r, quiet[r.pid], "its process stopped all that time") for r in ranks
+                   if quiet[r.pid] >= window and r.stopped_for(now) >= window]
+        if stopped:
+            return stopped, None
+        # Ranks without a step for the window, outside a save or restore: their stacks say who waits (busy NCCL
+        # waits spin: a waiting rank need not be idle) and who is stuck elsewhere.
+        quiet_ranks = [r for r in ranks if r.state not in protocol.CHECKPOINT_STATES and quiet[r.pid] >= window]
+        if not quiet_ranks:
+            self.looked, self.look_every = None, window
+            return [], None
+        pids = frozenset(r.pid for r in quiet_ranks)
+        if self.looked is None or self.looked[0] != pids or now >= self.look_again_at:
+            dumps = Dumps(self.state, ranks)
+            dumps.collect(by_signal=False)
+            self.looked = (pids, dumps, {r.pid: self.place(r, dumps) for r in ranks})
+            self.look_again_at = now + self.look_every
+            self.look_every = min(LOOK_AGAIN_MAX_S, 2 * self.look_every)
+            waiting = [r for r in quiet_ranks if self.looked[2][r.pid][0] == "in-collective"]
+            if waiting and self.announce is not None:
+                self.announce(run_of(waiting), min(r.mtime for r in waiting),
+                              f"{waiting[0].name()} on {host.hostname()}")
+        _, dumps, places = self.looked
+        culprits = [r for r in quiet_ranks if places.get(r.pid, ("",))[0] == "outside-collective"
+                    and r.idle_for(now) >= window and not reads_network(dumps.stacks.get(r.pid, ""))]
+        if not culprits:
+            return [], None
+        here = [r for r in ranks if places.get(r.pid, ("",))[0] == "in-collective"]
+        who = (f"{here[0].name()} on {host.hostname()}" if here
+               else self.waits_elsewhere(run_of(culprits), min(r.mtime for r in culprits) - window))
+        if not who:
+            return [], None
+        return [(r, quiet[r.pid], f"no CPU and no I/O all that time, outside any collective, while {who} waits in one")
+                for r in culprits], dumps
+
+    def notice(self, run: str, since: float, who: str) -> None:
+        """Another host's ranks of `run` wait in a collective since `since` (wall time of their last step): its
+        watchdog said so over the channel. A time ahead of this host's clock by more than CLOCK_SKEW_S is no wait."""
+        if since > time.time() + CLOCK_SKEW_S:
+            return
+        with self.lock:
+            for old in [r for r in self.waiting if r != run]:
+                del self.waiting[old]  # one run at a time: an older run's waits are over
+            self.waiting.setdefault(run, []).append((since, who))
+            del self.waiting[run][:-64]
+
+    def waits_elsewhere(self, run: str, after: float) -> str:
+        """Who waits in a collective of `run` on another host since `after` or later, or ""."""
+        with self.lock:
+            return next((who for since, who in reversed(self.waiting.get(run, [])) if since >= after), "")
+
+    def report(self, hung: list[tuple[Rank, float, str]], ranks: list[Rank], dumps: "Dumps | None" = None) -> None:
         name = host.hostname()
-        dumps = Dumps(self.state, ranks)
-        dumps.collect()
-        run = re.sub(r"[^A-Za-z0-9_.-]", "_", next((r.env["DS_RUN_ID"] for r in ranks if r.env.get("DS_RUN_ID")),
-                                                   "run"))
+        if dumps is None:
+            dumps = Dumps(self.state, ranks)
+            dumps.collect()
+        run = run_of(ranks)
         lines = [f"hang on {name} ({run}): " + "; ".join(
-            f"{rank.name()} made no progress for {quiet:.0f}s (budget {budget:.0f}s, {rank.state}"
-            + (f" after step {rank.step}" if rank.step is not None else "") + ")" for rank, quiet, budget in hung)]
+            f"{rank.name()} made no progress for {quiet:.0f}s ({why}, {rank.state}"
+            + (f" after step {rank.step}" if rank.step is not None else "") + ")" for rank, quiet, why in hung)]
         found = []  # protocol.hang_rank of every rank: what the ledger's owner merges
         for rank in ranks:
             kind, where, verdict = self.place(rank, dumps)
