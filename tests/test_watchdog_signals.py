@@ -5,116 +5,17 @@ real gloo process group, so "waits in a collective" is torch's own all_reduce wa
 in this process as the attempt loop runs them (a thread each); two state directories are two hosts, and what the
 ledger's owner relays between them (`waiting`) is the watchdogs' own announce/notice."""
 
-import io
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from podruntime.tenantfiles import Tree
-from podruntime.text import Log
-from podruntime.watchdog import Watchdog
+from tests.support.hang_ranks import BUDGET_S, RUN, Host, init, verdict_within, wait_stepped
 from tests.support.harness import wait_for
-from tests.support.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 WINDOW_S = 4.0  # hangDetection.signalSeconds here (the chart's default is 20)
-BUDGET_S = 120.0  # every budget: a verdict before it is the signals'
-RUN = "run-0007-abc"
-
-# A rank: joins a gloo group of `world` ranks, steps (a beat each, an all_reduce each) `steps` times, then does what
-# its role says. Its peers then wait for it in the next all_reduce (`wait`: this rank is such a peer).
-RANK = r"""
-import os, sys, time, multiprocessing
-import torch, torch.distributed as dist
-from train import rankstate
-role, steps = sys.argv[1], int(sys.argv[2])
-dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=int(os.environ["RANK"]),
-                        world_size=int(os.environ["WORLD_SIZE"]))
-rankstate.report("training", 0)
-for step in range(1, steps + 1):
-    dist.all_reduce(torch.ones(4))
-    rankstate.beat(step)
-print("stepped", flush=True)
-
-
-def spin(seconds):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
-
-
-if role == "wait":
-    dist.all_reduce(torch.ones(4))  # its peer never comes
-elif role == "stuck":  # blocked outside any collective, as a data loader on a dead mount
-    fifo = os.path.join(os.environ["DS_RANK_STATE_DIR"], f"stuck-{os.getpid()}")
-    os.mkfifo(fifo)
-    open(fifo).read()
-elif role == "busy":  # a long step: CPU, outside any collective
-    spin(600)
-elif role == "reading":  # a slow reader: a byte now and then, no CPU to speak of
-    with open("/dev/zero", "rb", buffering=0) as source:
-        while True:
-            source.read(1)
-            time.sleep(0.3)
-elif role == "loader":  # the rank waits on its data loader's worker, which computes
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    context.Process(target=lambda: (spin(600), queue.put(1)), daemon=True).start()
-    queue.get()
-elif role == "sleep":
-    time.sleep(600)
-"""
-
-
-class Host:
-    """One host's ranks and its watchdog: a state directory of its own."""
-
-    def __init__(self, tmp: Path, name: str, window: float = WINDOW_S):
-        self.state = tmp / name
-        self.state.mkdir(mode=0o700)
-        self.log = io.StringIO()
-        log = Log(f"watchdog: {name}", stream=self.log)
-        self.watchdog = Watchdog(Tree(str(self.state)), {"starting": BUDGET_S, "training": BUDGET_S,
-                                                         "checkpoint": BUDGET_S, "signals": window}, None, log)
-        self.stop = threading.Event()
-        self.ranks: list[subprocess.Popen] = []
-
-    def rank(self, rank: int, world: int, init: str, role: str, steps: int = 3) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
-               "INIT": init, "DS_RANK_STATE_DIR": str(self.state), "DS_RUN_ID": RUN}
-        env.pop("TORCH_FR_BUFFER_SIZE", None)
-        process = subprocess.Popen([sys.executable, "-c", RANK, role, str(steps)], env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.ranks.append(process)
-        return process
-
-    def start(self) -> None:
-        self.watchdog.start(self.stop)
-
-    def report(self) -> dict | None:
-        path = self.state / f"hang-{RUN}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
-
-    def text(self) -> str:
-        path = self.state / f"hang-{RUN}.txt"
-        return path.read_text() if path.is_file() else ""
-
-    def close(self) -> None:
-        self.stop.set()
-        for process in self.ranks:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -128,27 +29,6 @@ def hosts(tmp_path):
     yield make
     for host in made:
         host.close()
-
-
-def init() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
-
-
-def state_lines(host: Host) -> list[str]:
-    """Every rank's state line (its <pid> file; never the FIFO beside it, whose open would block)."""
-    return [p.read_text() for p in host.state.iterdir() if p.name.isdigit()]
-
-
-def wait_stepped(host: Host, count: int) -> None:
-    wait_for(lambda: sum("step=3" in line for line in state_lines(host)) >= count, 120, f"{count} rank(s) at step 3",
-             lambda: "\n".join(state_lines(host)))
-
-
-def verdict_within(host: Host, seconds: float) -> tuple[dict, float]:
-    """The host's hang report and how long after the ranks' last step it came (or the wait's failure)."""
-    started = time.monotonic()
-    wait_for(host.report, seconds, "a hang report", lambda: host.log.getvalue())
-    return host.report(), time.monotonic() - started
 
 
 def test_a_stopped_rank_is_hung_after_the_window_not_the_budget(hosts):

@@ -49,9 +49,10 @@ class Case:
 
 
 HANG = {"hangDetection": {"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10}}
-# The collective timeout (1 min, the e2e values') below the hang budget: the timeout comes first.
+# The collective timeout (1 min, the e2e values') below the hang budget, and the signals off (they find a blocked
+# rank in 20 s): the timeout comes first.
 TIMEOUT_FIRST = {"hangDetection": {"enabled": True, "startupSeconds": 300, "stepSeconds": 100,
-                                   "checkpointSeconds": 100}}
+                                   "checkpointSeconds": 100, "signalSeconds": 0}}
 # The values' claim removed (per-worker emptyDirs, the peer copy on), and a run long enough to lose a pod in it.
 DEFAULT_STORAGE = {"checkpoints": None, "train": {"config": {"steps": 300}}}
 LONG_TRAINER = {"train": {"args": ["--max_steps=300"]}}

@@ -58,8 +58,8 @@ STACKS_BYTES = 4 << 20  # of one rank's stacks file
 IDLE_CPU_SHARE = 0.02  # of one core, over the window: a CPython whose threads all block uses none
 # A thread in one of these reads the network (recv() moves no rchar): a data loader still downloading is not idle.
 NETWORK_PATHS = ("/socket.py", "/ssl.py", "/selectors.py", "/http/client.py", "/asyncio/")
-LOOK_AGAIN_MAX_S = 300.0
-CLOCK_SKEW_S = 60.0  # hosts' wall clocks may differ by this much (a `waiting` carries the wall time of a last step)  # an idle rank's stacks are read again at doubling intervals, up to this
+LOOK_AGAIN_MAX_S = 300.0  # the stacks of ranks without a step are read again at doubling intervals, up to this
+CLOCK_SKEW_S = 60.0  # hosts' wall clocks may differ by this much (a `waiting` carries the wall time of a last step)
 
 
 class Rank:
@@ -70,9 +70,14 @@ class Rank:
         self.state, self.step, self.step_s, self.mtime = "starting", None, 0.0, time.time()
         self.env = host.environ(pid)
         self.samples: deque[tuple[float, dict[int, host.Usage]]] = deque()  # (monotonic time, its processes' usage)
+        # Reading its stacks makes the rank write them (CPU, I/O): idle_for starts again at the first sample after
+        # each reading, and the idle time before it carries over while the samples since stay idle.
+        self.asked_at, self.idle_before, self.restarted_at, self.carried = 0.0, 0.0, 0.0, 0.0
 
     def sample(self, now: float, usages: dict[int, host.Usage], window: float) -> None:
         """Keeps the samples of the last `window` seconds, and the one just before them."""
+        if self.asked_at > self.restarted_at:  # the first sample since its stacks were read
+            self.restarted_at, self.carried = now, (self.idle_before + now - self.asked_at) if self.idle_before else 0
         self.samples.append((now, usages))
         while len(self.samples) > 2 and self.samples[1][0] <= now - window:
             self.samples.popleft()
@@ -88,18 +93,25 @@ class Rank:
 
     def idle_for(self, now: float) -> float:
         """Seconds over which the rank's processes, sample after sample, used under IDLE_CPU_SHARE of a core, moved no
-        byte, started no process and had none in state D (0: not idle)."""
+        byte, started no process and had none in state D (0: not idle); idle back to the first sample after the last
+        reading of its stacks, the idle time before that reading counts too."""
         since, ticks = now, 0
         for (at, older), (_, newer) in reversed(list(pairwise(self.samples))):
+            if at < self.restarted_at:  # the reading lies between these two
+                return now - since + self.carried
             if not newer.keys() <= older.keys() or any(u.state == "D" or u.io_bytes is None
                                                        or older[pid].io_bytes != u.io_bytes
                                                        for pid, u in newer.items()):
-                break
+                return now - since
             ticks += sum(u.cpu_ticks - older[pid].cpu_ticks for pid, u in newer.items())
             if ticks > max(1.0, IDLE_CPU_SHARE * (now - at) * host.TICKS_PER_S):
-                break
+                return now - since
             since = at
-        return now - since
+        return now - since + (self.carried if self.samples and self.samples[0][0] == self.restarted_at else 0.0)
+
+    def stacks_read(self, at: float) -> None:
+        """Its stacks were read from `at` to now (see idle_for)."""
+        self.asked_at, self.idle_before = at, self.idle_for(at)
 
     def refresh(self, state: Tree, now: float) -> bool:
         """Re-reads the state file; False when it is gone."""
@@ -202,13 +214,15 @@ class Dumps:
         DUMP_SIGNAL (its default action), which only a rank about to be killed may risk."""
         for rank in self.ranks:
             self.state.remove(f"{rank.pid}{protocol.FR_DUMP_SUFFIX}")
-        asked = [r for r in self.ranks if self.state.poke_fifo(
+        # A stopped process answers nothing until it runs again: it is not waited for.
+        running = [r for r in self.ranks if not host.process_state(r.pid).startswith("T")]
+        asked = [r for r in running if self.state.poke_fifo(
             f"{r.pid}{protocol.DIAG_REQUEST_SUFFIX}", protocol.DIAG_STACKS + protocol.DIAG_FLIGHT_RECORDER)]
         self._wait(asked, recorders=True)
         if not by_signal:
             return
         # A rank with no diagnostics thread, or one that never got the GIL: faulthandler from a signal handler.
-        silent = [r for r in self.ranks if r.pid not in self.stacks]
+        silent = [r for r in running if r.pid not in self.stacks]
         for rank in silent:
             try:
                 os.kill(rank.pid, protocol.DUMP_SIGNAL)
@@ -341,13 +355,14 @@ class Watchdog:
         if self.looked is None or self.looked[0] != pids or now >= self.look_again_at:
             dumps = Dumps(self.state, ranks)
             dumps.collect(by_signal=False)
+            for rank in ranks:
+                rank.stacks_read(now)
             self.looked = (pids, dumps, {r.pid: self.place(r, dumps) for r in ranks})
             self.look_again_at = now + self.look_every
             self.look_every = min(LOOK_AGAIN_MAX_S, 2 * self.look_every)
             waiting = [r for r in quiet_ranks if self.looked[2][r.pid][0] == "in-collective"]
-            if waiting and self.announce is not None:
-                self.announce(run_of(waiting), min(r.mtime for r in waiting),
-                              f"{waiting[0].name()} on {host.hostname()}")
+            if waiting:
+                self.said_waiting(waiting, quiet, ranks, dumps)
         _, dumps, places = self.looked
         culprits = [r for r in quiet_ranks if places.get(r.pid, ("",))[0] == "outside-collective"
                     and r.idle_for(now) >= window and not reads_network(dumps.stacks.get(r.pid, ""))]
@@ -360,6 +375,20 @@ class Watchdog:
             return [], None
         return [(r, quiet[r.pid], f"no CPU and no I/O all that time, outside any collective, while {who} waits in one")
                 for r in culprits], dumps
+
+    def said_waiting(self, waiting: list[Rank], quiet: dict[int, float], ranks: list[Rank], dumps: "Dumps") -> None:
+        """This host's ranks wait in a collective with no step for the window: where every rank is, in the log and
+        beside the checkpoints (the stacks and flight recorders of the ranks that wait: what a person reads beside
+        the culprit's), and, through `announce`, to the other hosts."""
+        name, run = host.hostname(), run_of(waiting)
+        lines = [f"waiting on {name} ({run}): " + "; ".join(
+            f"{r.name()} has made no step for {quiet[r.pid]:.0f}s, waiting in a collective" for r in waiting)]
+        lines += [f"  {r.name()} on {name}: {self.looked[2][r.pid][2]}" for r in ranks if r.pid in self.looked[2]]
+        for line in lines:
+            self.log(line.strip())
+        self.keep_diagnostics(run, "\n".join(lines), ranks, dumps)
+        if self.announce is not None:
+            self.announce(run, min(r.mtime for r in waiting), f"{waiting[0].name()} on {name}")
 
     def notice(self, run: str, since: float, who: str) -> None:
         """Another host's ranks of `run` wait in a collective since `since` (wall time of their last step): its
