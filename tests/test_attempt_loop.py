@@ -252,3 +252,54 @@ def test_a_spoke_that_gets_its_go_and_loses_the_connection_at_once_still_hands_t
     spoke = channel.Spoke(1, "127.0.0.1", port)
     assert spoke.connect(time.monotonic() + 3, channel.encode("join", index=1))
     assert [spoke.inbox.get(timeout=5)["m"], spoke.inbox.get(timeout=5)["m"]] == ["go", "gone"]
+
+
+def test_in_ssh_a_workers_word_that_its_ranks_wait_reaches_the_launcher_and_the_launchers_reaches_a_worker():
+    """The `waiting` relay of ssh mode over real sockets: a worker agent's Listener broadcasts it to the launcher's
+    Spoke, whose handler takes it at once (not the inbox, which is read between runs); what the launcher sends on
+    reaches the other worker's Listener handler. Anything a connection sends before its `join` is refused."""
+    import queue
+    import socket
+
+    from podruntime import channel
+
+    heard_by_worker, heard_by_launcher = queue.Queue(), queue.Queue()
+    port = free_port()
+    listener = channel.Listener(port, {"waiting": heard_by_worker.put})
+    spoke = channel.Spoke(0, "127.0.0.1", port, queue.Queue(), {"waiting": heard_by_launcher.put})
+    assert spoke.connect(time.monotonic() + 10, channel.encode("join", index=0))
+    wait_for(lambda: listener.connections, 10, "the launcher's connection to be held")
+    said = channel.encode("waiting", run="run-0003-abc", since=1000.5, who="rank 0 (pid 7, local rank 0) on w-0")
+    assert listener.broadcast(said) == 1
+    message = heard_by_launcher.get(timeout=10)
+    assert (message["m"], message["run"], message["since"], message["index"]) == ("waiting", "run-0003-abc", 1000.5, 0)
+    assert spoke.inbox.empty()
+    assert spoke.send(said)
+    assert heard_by_worker.get(timeout=10)["who"] == "rank 0 (pid 7, local rank 0) on w-0"
+    # A connection that never said `join` is dropped at its first line, and its word goes nowhere.
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as stranger:
+        stranger.sendall(said)
+        stranger.settimeout(5)
+        assert stranger.recv(1) == b""  # closed by the listener
+    assert heard_by_worker.empty()
+
+
+def test_in_nossh_a_workers_word_that_its_ranks_wait_reaches_worker_0_and_worker_0s_reaches_a_worker():
+    """The same relay in nossh: a worker's Spoke to worker 0's Hub, whose handler takes it at once with the sender's
+    index (worker 0 sends it on to every other worker, nosshmode.Worker.relay_waiting), and back."""
+    import queue
+
+    from podruntime import channel
+
+    heard_by_hub, heard_by_worker = queue.Queue(), queue.Queue()
+    port = free_port()
+    hub = channel.Hub(port, {1}, {"waiting": heard_by_hub.put})
+    spoke = channel.Spoke(1, "127.0.0.1", port, handlers={"waiting": heard_by_worker.put})
+    assert spoke.connect(time.monotonic() + 10, channel.encode("join", index=1))
+    assert hub.inbox.get(timeout=10)[1]["m"] == "join"
+    said = channel.encode("waiting", run="run-0003-abc", since=1000.5, who="rank 1 (pid 7, local rank 0) on w-1")
+    assert spoke.send(said)
+    message = heard_by_hub.get(timeout=10)
+    assert (message["index"], message["who"]) == (1, "rank 1 (pid 7, local rank 0) on w-1") and hub.inbox.empty()
+    assert hub.send(1, said)
+    assert heard_by_worker.get(timeout=10)["run"] == "run-0003-abc" and spoke.inbox.empty()
