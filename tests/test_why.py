@@ -274,3 +274,50 @@ def test_a_device_its_plugin_calls_unhealthy_explains_the_newest_attempts_hang()
     # Nothing else the cluster saw near a hang replaces it: a deleted pod after a hang is the hang's.
     deleted = [{"time": T, "cause": "pod-deleted", "text": "x"}]
     assert why.refine([{"attempt": 1, "cause": "hang", "ended": T}], deleted)[0]["cause"] == "hang"
+
+
+def test_make_why_takes_the_events_of_its_own_releases_objects_never_a_neighbours_with_a_longer_name():
+    """Two projects side by side in one namespace, `llama` and `llama-7b`: the events `make why` reads are the
+    release's by identity, the uid of a pod or Job it lists by its instance label, a name it renders, or a pod name
+    its workloads give (a pod gone since). `llama-7b`'s evicted worker never becomes `llama`'s eviction."""
+    from kubernetes import client as k
+
+    llama = why.Release("llama", "ml", "llama-deepspeed-training-progress", "ssh",
+                        ["llama-deepspeed-training-launcher"], 1, "/checkpoints", ("launcher", "worker"),
+                        ("llama-deepspeed-training-launcher", "llama-deepspeed-training-worker",
+                         "llama-deepspeed-training-config-check"),
+                        ("llama-deepspeed-training-progress", "llama-deepspeed-training-worker"))
+    live = k.V1Pod(metadata=k.V1ObjectMeta(name="llama-deepspeed-training-worker-0", uid="uid-live"),
+                   spec=k.V1PodSpec(containers=[k.V1Container(name="worker")]), status=k.V1PodStatus(phase="Running"))
+
+    def event(name: str, uid: str | None = None, reason: str = "Evicted") -> k.CoreV1Event:
+        return k.CoreV1Event(metadata=k.V1ObjectMeta(name=f"{name}.1"), reason=reason, message="m", type="Warning",
+                             involved_object=k.V1ObjectReference(kind="Pod", name=name, uid=uid), count=1)
+
+    events = [event("llama-7b-deepspeed-training-worker-1", "uid-7b"),  # the neighbour's
+              event("llama-deepspeed-training-worker-1x"),  # no pod name llama's workloads give
+              event("llama-deepspeed-training-worker-1"),  # llama's, gone since
+              event("renamed-by-nobody", "uid-live", "Killing"),  # llama's live pod, by uid
+              event("llama-deepspeed-training-config-check-x7k2q", reason="BackoffLimitExceeded"),  # its hook's pod
+              event("llama-deepspeed-training-launcher-0-ab12c", reason="Started"),  # an indexed Job's pod
+              event("llama-deepspeed-training-worker", reason="SuccessfulCreate")]  # its StatefulSet
+
+    class Core:
+        def read_namespaced_config_map(self, name, namespace):
+            return k.V1ConfigMap(data={})
+
+        def list_namespaced_pod(self, namespace, label_selector):
+            assert label_selector == "app.kubernetes.io/instance=llama"
+            return k.V1PodList(items=[live])
+
+        def list_namespaced_event(self, namespace):
+            return k.CoreV1EventList(items=events)
+
+    class Batch:
+        def list_namespaced_job(self, namespace, label_selector):
+            return k.V1JobList(items=[])
+
+    seen = [e["object"] for e in why.read(Core(), Batch(), llama)["events"]]
+    assert seen == ["llama-deepspeed-training-worker-1", "renamed-by-nobody",
+                    "llama-deepspeed-training-config-check-x7k2q", "llama-deepspeed-training-launcher-0-ab12c",
+                    "llama-deepspeed-training-worker"], seen

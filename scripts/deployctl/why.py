@@ -36,6 +36,19 @@ class Release:
     ranks_per_worker: int
     checkpoint_mount: str
     main_containers: tuple[str, ...] = ("launcher", "worker")  # a pod's Killing of these, not of its sidecar
+    workloads: tuple[str, ...] = ()  # its Jobs and StatefulSets, hooks included (default: `jobs`): their pods' names
+    objects: tuple[str, ...] = ()  # every object it renders
+
+    def owns(self, name: str, uid: str | None, uids: set[str]) -> bool:
+        """Whether an event's object is this release's, by identity, never by a prefix (a project `llama-7b` beside
+        `llama`): the uid of one of its pods or Jobs (listed by its instance label), a name it renders, or a pod name
+        one of its workloads gives (`<statefulset>-<ordinal>`, `<job>-[<index>-]<5 characters>`: a pod gone since)."""
+        if uid and uid in uids:
+            return True
+        if name in (*self.objects, self.progress, *self.jobs):
+            return True
+        return any(re.fullmatch(rf"{re.escape(workload)}-(\d+|(\d+-)?[a-z0-9]{{5}})", name)
+                   for workload in self.workloads or self.jobs)
 
 
 def release_of(r: Rendered, manifests: str) -> Release:
@@ -51,8 +64,10 @@ def release_of(r: Rendered, manifests: str) -> Release:
     mains = tuple(sorted({d["spec"]["template"]["spec"]["containers"][0]["name"] for d in docs
                           if d["kind"] in ("Job", "StatefulSet")
                           and "helm.sh/hook" not in (d["metadata"].get("annotations") or {})}))
+    workloads = tuple(d["metadata"]["name"] for d in docs if d["kind"] in ("Job", "StatefulSet"))
     return Release(release_name(r), r.settings["deploy"]["namespace"], progress[0], r.effective["launchMode"], jobs,
-                   max(1, r.world_size // max(1, workers)), r.effective["checkpoints"]["mountPath"], mains)
+                   max(1, r.world_size // max(1, workers)), r.effective["checkpoints"]["mountPath"], mains, workloads,
+                   tuple(d["metadata"]["name"] for d in docs))
 
 
 def epoch(value) -> float | None:
@@ -69,8 +84,9 @@ def read(core, batch, release: Release) -> dict:
     """The API objects `why` reads, as plain data: four requests, whatever the number of workers."""
     selector = f"app.kubernetes.io/instance={release.name}"
     progress = core.read_namespaced_config_map(release.progress, release.namespace).data or {}
-    pods = []
+    pods, uids = [], set()
     for pod in core.list_namespaced_pod(release.namespace, label_selector=selector).items:
+        uids.add(pod.metadata.uid)
         statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])]
         terminated = [(c.name, t.reason, t.exit_code, epoch(t.finished_at), t.message) for c in statuses
                       for t in (c.state.terminated if c.state else None,
@@ -86,14 +102,15 @@ def read(core, batch, release: Release) -> dict:
                      "created": epoch(pod.metadata.creation_timestamp), "node": pod.spec.node_name,
                      "terminated": terminated, "disruption": disruption, "devices": devices,
                      "restarts": sum(c.restart_count or 0 for c in statuses)})
-    prefix = f"{release.name}-"
+    listed_jobs = batch.list_namespaced_job(release.namespace, label_selector=selector).items
+    uids |= {job.metadata.uid for job in listed_jobs}
     events = [{"object": e.involved_object.name, "kind": e.involved_object.kind, "type": e.type, "reason": e.reason,
                "message": e.message, "time": epoch(e.last_timestamp) or epoch(e.event_time)
                or epoch(e.first_timestamp), "count": e.count or 1}
               for e in core.list_namespaced_event(release.namespace).items
-              if (e.involved_object.name or "").startswith(prefix)]
+              if release.owns(e.involved_object.name or "", e.involved_object.uid, uids - {None})]
     jobs = []
-    for job in batch.list_namespaced_job(release.namespace, label_selector=selector).items:
+    for job in listed_jobs:
         if job.metadata.name in release.jobs:
             conditions = [(c.type, c.reason, c.message) for c in job.status.conditions or [] if c.status == "True"]
             jobs.append({"name": job.metadata.name, "conditions": conditions, "active": job.status.active or 0,

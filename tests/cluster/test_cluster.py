@@ -451,8 +451,9 @@ def why_release(namespace: str, mode: str):
     from kubernetes import client, config
 
     config.load_kube_config()
-    return why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode,
-                       [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS], 1, "/checkpoints"), client
+    jobs = [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS]
+    return why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode, jobs, 1, "/checkpoints",
+                       workloads=(*jobs, WORKERS) if mode == "ssh" else tuple(jobs)), client
 
 
 def make_why(namespace: str, mode: str) -> tuple[str, float]:
