@@ -4,8 +4,7 @@
 #     DS_SIDECAR_IMAGE the progress sidecar's (optional: without it the sidecar runs DS_IMAGE).
 #   - otherwise: bring up the one-node Kubernetes of ../shared/k8s (root only) in .build/k8s, load the CPU and sidecar
 #     images that `make test-image` built, run the tier, and always tear the cluster down again (also on failure or
-#     Ctrl-C). Where that is not possible, say why and skip. TEST_CLUSTER_AFTER names a lock file whose holder the
-#     tests wait for once the cluster is up and loaded (CI: `make test`, which runs meanwhile).
+#     Ctrl-C). Where that is not possible, say why and skip.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -53,9 +52,4 @@ for built in "$image" "$sidecar_image"; do
     >> "$root/.build/k8s-import.log" 2>&1 || { cat "$root/.build/k8s-import.log"; exit 1; }
 done
 log "images $image and $sidecar_image loaded in $((SECONDS - started))s"
-if [[ -n "${TEST_CLUSTER_AFTER:-}" ]]; then
-  started=$SECONDS
-  flock "$TEST_CLUSTER_AFTER" true
-  log "waited ${TEST_CLUSTER_AFTER}'s holder for $((SECONDS - started))s"
-fi
 DS_IMAGE="$image" DS_SIDECAR_IMAGE="$sidecar_image" LOCAL_K8S="$k8s/local-k8s.sh" LOCAL_K8S_STATE="$state" pytest "${pytest_args[@]}"
