@@ -300,7 +300,8 @@ def test_make_why_takes_the_events_of_its_own_releases_objects_never_a_neighbour
               event("renamed-by-nobody", "uid-live", "Killing"),  # llama's live pod, by uid
               event("llama-deepspeed-training-config-check-x7k2q", reason="BackoffLimitExceeded"),  # its hook's pod
               event("llama-deepspeed-training-launcher-0-ab12c", reason="Started"),  # an indexed Job's pod
-              event("llama-deepspeed-training-worker", reason="SuccessfulCreate")]  # its StatefulSet
+              event("llama-deepspeed-training-worker", reason="SuccessfulCreate"),  # its StatefulSet
+              event("llama-deepspeed-training-launcher-1-qq7rt", reason="Started")]  # a Job of an earlier revision
 
     class Core:
         def read_namespaced_config_map(self, name, namespace):
@@ -315,9 +316,11 @@ def test_make_why_takes_the_events_of_its_own_releases_objects_never_a_neighbour
 
     class Batch:
         def list_namespaced_job(self, namespace, label_selector):
-            return k.V1JobList(items=[])
+            assert label_selector == "app.kubernetes.io/instance=llama"
+            return k.V1JobList(items=[k.V1Job(metadata=k.V1ObjectMeta(name="llama-deepspeed-training-launcher-1",
+                                                                       uid="uid-job"), status=k.V1JobStatus())])
 
     seen = [e["object"] for e in why.read(Core(), Batch(), llama)["events"]]
     assert seen == ["llama-deepspeed-training-worker-1", "renamed-by-nobody",
                     "llama-deepspeed-training-config-check-x7k2q", "llama-deepspeed-training-launcher-0-ab12c",
-                    "llama-deepspeed-training-worker"], seen
+                    "llama-deepspeed-training-worker", "llama-deepspeed-training-launcher-1-qq7rt"], seen

@@ -39,16 +39,17 @@ class Release:
     workloads: tuple[str, ...] = ()  # its Jobs and StatefulSets, hooks included (default: `jobs`): their pods' names
     objects: tuple[str, ...] = ()  # every object it renders
 
-    def owns(self, name: str, uid: str | None, uids: set[str]) -> bool:
+    def owns(self, name: str, uid: str | None, uids: set[str], listed_jobs: tuple[str, ...] = ()) -> bool:
         """Whether an event's object is this release's, by identity, never by a prefix (a project `llama-7b` beside
         `llama`): the uid of one of its pods or Jobs (listed by its instance label), a name it renders, or a pod name
-        one of its workloads gives (`<statefulset>-<ordinal>`, `<job>-[<index>-]<5 characters>`: a pod gone since)."""
+        one of its workloads gives (`<statefulset>-<ordinal>`, `<job>-[<index>-]<5 characters>`: a pod gone since;
+        the Jobs listed by its label count too: an earlier revision's launcher)."""
         if uid and uid in uids:
             return True
-        if name in (*self.objects, self.progress, *self.jobs):
+        if name in (*self.objects, self.progress, *self.jobs, *listed_jobs):
             return True
         return any(re.fullmatch(rf"{re.escape(workload)}-(\d+|(\d+-)?[a-z0-9]{{5}})", name)
-                   for workload in self.workloads or self.jobs)
+                   for workload in (*(self.workloads or self.jobs), *listed_jobs))
 
 
 def release_of(r: Rendered, manifests: str) -> Release:
@@ -108,7 +109,8 @@ def read(core, batch, release: Release) -> dict:
                "message": e.message, "time": epoch(e.last_timestamp) or epoch(e.event_time)
                or epoch(e.first_timestamp), "count": e.count or 1}
               for e in core.list_namespaced_event(release.namespace).items
-              if release.owns(e.involved_object.name or "", e.involved_object.uid, uids - {None})]
+              if release.owns(e.involved_object.name or "", e.involved_object.uid, uids - {None},
+                              tuple(job.metadata.name for job in listed_jobs))]
     jobs = []
     for job in listed_jobs:
         if job.metadata.name in release.jobs:
