@@ -421,15 +421,16 @@ def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_
     assert outcome == "Complete", attempts_summary(namespace)
     assert get("job", LAUNCHER, namespace)["status"].get("failed") is None, attempts_summary(namespace)
     assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+worker-1: process stopped", logs), logs[-6000:]
-    waits = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+worker-0: waits in a collective: (\w+)", logs)
-    assert waits, logs[-6000:]
+    # (Whether worker 0's watchdog also reported its rank waiting depends on which budget ran out first: the stopped
+    # rank's host ends the attempt at once, and the waiting rank's collective then fails. tests/test_watchdog_signals.py
+    # places a waiting peer, and tests/e2e/test_hangs.py the waiting host's word across hosts.)
     retry = logs[logs.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
     resumed = re.search(r"resumed from /checkpoints/step_(\d+) ", retry)
     assert resumed and saved_before_stop <= int(resumed[1]) < steps, retry[-4000:]
     assert f"INFO step {steps}/{steps}" in retry, retry[-4000:]
-    # The stacks behind the report (in a step's all_reduce, or a save's collective when the stop hit a save).
-    stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/_job/diagnostics/run-*/*worker-0.txt")
-    assert f"in {waits[1]}" in stacks
+    # The stacks behind the report, on the shared claim.
+    stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/_job/diagnostics/run-*/*worker-1.txt")
+    assert "process stopped" in stacks, stacks[-2000:]
     # `make why` from the API server names the cause, the culprit and where its stacks are; `make logs` one rank's
     # lines of one attempt, out of the launcher's log where pdsh merges every rank.
     text, seconds = make_why(namespace, "ssh")

@@ -83,25 +83,14 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         assert cause["culprit"] == f"rank 1 on {workers[1].hostname}", cause
         assert f"hang: rank 1 on {workers[1].hostname} is the likely culprit (its process is stopped, after step " \
                in cause["reason"], cause
-        # Worker 0's watchdog found its rank waiting (no step for the window) and said so, in its log and beside the
-        # checkpoints, with rank 0's flight recorder (torch's, served from a thread while the main thread waits):
-        # the collective it waits in has not completed. Which one depends on where in its step the stop landed
-        # (ZeRO 2's gradient all_reduce most of the time, its parameter all_gather at times). The stopped rank
-        # cannot answer.
-        waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: (\w+) .*; last "
-                            r"recorded collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)",
-                            workers[0].log())
-        assert waiting, "\n".join(line for line in workers[0].log().splitlines() if "watchdog" in line)
+        # The stopped rank's stacks beside the checkpoints, on its own host's volume. (Whether worker 0's watchdog
+        # also logged its rank waiting depends on which of the two hosts' windows ran out first: the stopped rank's
+        # host ends the attempt, and the waiting rank's collective then fails. The nossh drill below needs that word
+        # to find its culprit, and checks it there.)
         diagnostics = [p for v in volumes for p in (v / "_job" / "diagnostics").glob("run-*/*.txt")]
-        assert {p.name.removesuffix(".txt") for p in diagnostics} == {w.hostname for w in workers}, diagnostics
-        assert any("File " in p.read_text() and f"in {waiting[1]}" in p.read_text() for p in diagnostics)
-        recorders = [p for v in volumes for p in (v / "_job" / "diagnostics").glob("run-*/*-rank0.fr.json")]
-        assert len(recorders) == 1 and not [p for v in volumes for p in (v / "_job" / "diagnostics").glob(
-            "run-*/*-rank1.fr.json")]
-        entries = json.loads(recorders[0].read_text())["entries"]
-        pending = [e for e in entries if not e["retired"]]
-        oldest = min(pending, key=lambda e: e["record_id"])
-        assert (oldest["collective_seq_id"], oldest["process_group"][-1]) == (int(waiting[2]), waiting[3])
+        assert workers[1].hostname in {p.name.removesuffix(".txt") for p in diagnostics}, diagnostics
+        assert any("process stopped" in p.read_text() for p in diagnostics)
+        assert not [p for v in volumes for p in (v / "_job" / "diagnostics").glob("run-*/*-rank1.fr.json")]
         # The retry resumed from a complete checkpoint and finished.
         retry = log[log.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
         resumed = int(re.search(r"resumed from \S+step_(\d+) at step", retry).group(1))
@@ -145,14 +134,17 @@ def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and
         assert ckpt0 != ckpt1  # each worker's own volume
         run = re.search(r"hang on \S+ \((run-\S+)\)", log1).group(1)
         assert "read_the_stuck_mount" in (ckpt1 / "_job" / "diagnostics" / run / f"{worker1.hostname}.txt").read_text()
-        # Its flight recorder: every collective it started completed. Rank 0's, when worker 0's watchdog saw the
-        # stall before rank 1 was ended (both judge the same last step), waits in the next one.
+        # Worker 0's watchdog found rank 0 waiting and said so (the word that found the culprit), with rank 0's
+        # flight recorder: the collective it waits in has not completed.
+        assert re.search(r"waiting on \S+ \(run-\S+\): rank 0 \(pid \d+, local rank 0\) has made no step for \d+s, "
+                         r"waiting in a collective", log0), log0[-3000:]
+        # Rank 1's flight recorder: every collective it started completed; rank 0's waits in the next one.
         culprit = re.search(r"likely the culprit: .*; last recorded collective #(\d+) gloo:\w+ in group (\S+) "
                             r"\(completed\)", log1)
         assert culprit, "\n".join(line for line in log1.splitlines() if "watchdog" in line)
         waiting = re.search(r"rank 0 \(pid \d+, local rank 0\) on \S+: waits in a collective: .*; last recorded "
                             r"collective #(\d+) gloo:\w+ in group (\S+) \(pending, scheduled\)", log0)
-        assert waiting is None or waiting[2] != culprit[2] or int(waiting[1]) == int(culprit[1]) + 1, log0[-3000:]
+        assert waiting and (waiting[2] != culprit[2] or int(waiting[1]) == int(culprit[1]) + 1), log0[-3000:]
         # The job's verdict, from both workers' reports at the start barrier: the blocked rank on the second host.
         [cause] = [json.loads(p.read_text()) for p in (ckpt0 / "_job" / "attempts").glob("*/0001/cause.json")]
         assert cause["culprit"] == f"rank 1 on {worker1.hostname}", cause
