@@ -24,7 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "charts" / "deepspeed-training" / "files"))
 
 from podruntime.tenantfiles import Tree  # noqa: E402
 from podruntime.text import Log  # noqa: E402

@@ -93,6 +93,13 @@ class Process:
     argv: list[str]
 
 
+def _stat(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, ...: field N of proc(5) at N - 3), or [] once
+    it is gone (the name, in parentheses, may hold spaces and parentheses of its own)."""
+    stat = (_read(PROC / str(pid) / "stat", 4096) or b"").decode(errors="replace")
+    return stat.rsplit(")", 1)[1].split() if ")" in stat else []
+
+
 def processes(uid: int | None = None) -> list[Process]:
     """Every process of this host (its PID namespace), of `uid` if given."""
     found = []
@@ -105,9 +112,8 @@ def processes(uid: int | None = None) -> list[Process]:
             continue
         if uid is not None and info.st_uid != uid:
             continue
-        stat = (_read(entry / "stat", 4096) or b"").decode(errors="replace")
         try:
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            ppid = int(_stat(entry.name)[1])
         except (IndexError, ValueError):
             continue
         found.append(Process(int(entry.name), ppid, info.st_uid, cmdline(int(entry.name))))
@@ -129,9 +135,8 @@ TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 def usage(pid: int) -> Usage | None:
     """`pid`'s Usage, or None once it is gone."""
-    stat = (_read(PROC / str(pid) / "stat", 4096) or b"").decode(errors="replace")
+    fields = _stat(pid)
     try:
-        fields = stat.rsplit(")", 1)[1].split()
         state, ticks = fields[0], int(fields[11]) + int(fields[12])  # utime + stime
     except (IndexError, ValueError):
         return None
@@ -151,9 +156,8 @@ def descendants(roots: list[int]) -> dict[int, list[int]]:
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        stat = (_read(entry / "stat", 4096) or b"").decode(errors="replace")
         try:
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+            children.setdefault(int(_stat(entry.name)[1]), []).append(int(entry.name))
         except (IndexError, ValueError):
             continue
     found = {}

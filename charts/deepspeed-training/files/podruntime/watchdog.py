@@ -312,11 +312,12 @@ class Watchdog:
     def check(self, now: float, wall_now: float) -> None:
         self.refresh(now)
         judged = [r for r in self.ranks.values() if r.state != "stopping"]
-        hung = [(r, quiet, f"budget {budget:.0f}s") for r in judged
-                if (quiet := r.quiet_for(now, wall_now)) > (budget := r.budget(self.budgets))]
+        quiet = {r.pid: r.quiet_for(now, wall_now) for r in judged}
+        hung = [(r, quiet[r.pid], f"budget {budget:.0f}s") for r in judged
+                if quiet[r.pid] > (budget := r.budget(self.budgets))]
         dumps = None
         if not hung and self.budgets.get("signals", 0) > 0:
-            hung, dumps = self.signals(now, wall_now, judged)
+            hung, dumps = self.signals(now, quiet, judged)
         if not hung:
             return
         victims = list(self.ranks.values())
@@ -331,16 +332,15 @@ class Watchdog:
             self.ended.add(rank.pid)
         self.looked, self.look_every = None, self.budgets.get("signals", 0.0)
 
-    def signals(self, now: float, wall_now: float, ranks: list[Rank]) -> tuple[list[tuple[Rank, float, str]],
-                                                                                "Dumps | None"]:
+    def signals(self, now: float, quiet: dict[int, float], ranks: list[Rank]) -> tuple[
+            list[tuple[Rank, float, str]], "Dumps | None"]:
         """The ranks found hung by their signals before any budget (the module's doc), and the dump that confirmed
-        it (None: none was needed)."""
+        it (None: none was needed). `quiet`: each rank's seconds without progress (Rank.quiet_for)."""
         window = self.budgets["signals"]
         trees = host.descendants([r.pid for r in ranks])
         for rank in ranks:
             rank.sample(now, {pid: found for pid in trees.get(rank.pid, [rank.pid])
                               if (found := host.usage(pid)) is not None}, window)
-        quiet = {r.pid: r.quiet_for(now, wall_now) for r in ranks}
         stopped = [(r, quiet[r.pid], "its process stopped all that time") for r in ranks
                    if quiet[r.pid] >= window and r.stopped_for(now) >= window]
         if stopped:
