@@ -23,16 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from podruntime import protocol  # noqa: E402
+from podruntime.rankstart import LAUNCHER_ENV  # noqa: E402
 from scripts.pins import pins  # noqa: E402
 from train import conventions  # noqa: E402
-from train.deepspeed_mirror import LAUNCHER_ENV, PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
+from train.deepspeed_mirror import PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
 
 CHART = ROOT / "charts" / "deepspeed-training"
 GENERATED = CHART / "files" / "generated"
 
 
 def deepspeed_json() -> str:
-    return json.dumps({"generated": "by scripts/chart_data.py from train/deepspeed_mirror.py; do not edit",
+    return json.dumps({"generated": "by scripts/chart_data.py from train/deepspeed_mirror.py and "
+                                    "podruntime/rankstart.py; do not edit",
                        "topLevelKeys": sorted(TOP_LEVEL_KEYS), "pdshMaxFanOut": PDSH_MAX_FAN_OUT,
                        "launcherEnv": sorted(LAUNCHER_ENV)}, indent=1) + "\n"
 

@@ -680,7 +680,7 @@ def test_every_env_name_the_chart_or_deepspeed_sets_is_reserved():
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    from train.deepspeed_mirror import LAUNCHER_ENV
+    from podruntime.rankstart import LAUNCHER_ENV
     reserved = reserved_env_names()
     # Every branch that adds env: both modes, hang detection, resumeFrom, GPUs, autotuning, the progress sidecar.
     user = {"env": [{"name": "APP_PLAIN", "value": "1"},

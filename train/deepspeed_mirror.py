@@ -29,12 +29,6 @@ TOP_LEVEL_KEYS = frozenset({
 # `pdsh -f`): each host's ssh session lasts the whole run, so the hosts past it would never start their ranks.
 PDSH_MAX_FAN_OUT = 1024
 
-# The env DeepSpeed's launcher sets for every rank (deepspeed/launcher/launch.py main(), 0.19.8): a value the user
-# set would be replaced, or, set in a way the launcher does not see, would disagree with it. (It also sets
-# OMP_NUM_THREADS, only with --bind_cores_to_rank: programs set that one themselves.) CUDA_VISIBLE_DEVICES comes
-# through the accelerator's set_visible_devices_envs(), which the cuda and cpu accelerators implement with it.
-LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK",
-                "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
 
 # The keys DeepSpeed reads in these sections (deepspeed/runtime/config.py get_optimizer_params/
 # get_scheduler_params, 0.19.8): anything beside them, `lr` above `params` say, is silently ignored.

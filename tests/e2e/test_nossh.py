@@ -114,6 +114,11 @@ def test_nossh_a_lost_worker_is_replaced_and_a_preempted_one_too_and_only_the_lo
         step = int(stopped[-1][0])
         assert re.search(rf"resumed from \S+/step_{step:08d} at step {step}\b", log0)  # the preemption lost no step
         assert max(step_losses(log0)) == 300
+        # Worker 0's loop started its retries' ranks itself; each new pod's first run is DeepSpeed's runner's, and
+        # the ranks of both kinds of start meet in one world.
+        assert len(re.findall(r"running \(run-\S+\): ranks 0 started by the loop as DeepSpeed's launcher started them "
+                              r"in run-", log0)) == 2, log0[-4000:]
+        assert re.search(r"running \(run-0003-\S+\): \S*deepspeed --node_rank=1 ", worker1.log()), worker1.log()[-3000:]
         assert all(checkpoint.is_complete(t) for t in checkpoint.tags_newest_first(ckpt))
         attempts = ckpt / "_job" / "attempts"
         book = Ledger({"DS_ATTEMPTS_DIR": str(attempts), "DS_JOB_UID": next(attempts.iterdir()).name})

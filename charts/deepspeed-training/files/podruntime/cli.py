@@ -14,6 +14,8 @@ as a program: files/__main__.py), `python -m podruntime PROGRAM [ARGS]` wherever
                                      is listed), over pdsh
   wait-for-workers HOSTFILE TIMEOUT [INTERVAL [THEN]]   the ssh launcher's meeting, alone
   rank-prefix HEAD PID               the rank tagger's prefixer (ranklog.py starts it)
+  start-ranks RUN DEEPSPEED_COMMAND...  nossh: a retry's ranks, started as DeepSpeed's launcher started them in RUN
+                                     (rankstart.py; the worker's loop runs it in place of DeepSpeed's runner)
 
 Exit status: the program's; 2 for a usage error.
 """
@@ -132,6 +134,12 @@ def peer_prepare(argv: list[str]) -> int:
     return sshmode.peer_prepare(argv[0], argv[1] if len(argv) > 1 else "") if 1 <= len(argv) <= 2 else usage()
 
 
+def start_ranks(argv: list[str]) -> int:
+    from podruntime import rankstart  # noqa: PLC0415
+
+    return rankstart.main(argv) if len(argv) >= 2 else usage()
+
+
 def rank_prefix(argv: list[str]) -> int:
     from podruntime import ranklog  # noqa: PLC0415
 
@@ -143,7 +151,7 @@ def rank_prefix(argv: list[str]) -> int:
 PROGRAMS = {"launcher": launcher, "nossh-worker": nossh_worker, "ssh-worker": ssh_worker, "sidecar": sidecar,
             "objectstore": objectstore, "stop-ranks": stop_ranks, "watchdog": watchdog, "host-evidence": host_evidence,
             "wait-for-workers": wait_for_workers, "rank-prefix": rank_prefix, "peer-holdings": peer_holdings,
-            "peer-prepare": peer_prepare}
+            "peer-prepare": peer_prepare, "start-ranks": start_ranks}
 
 
 # A container's entrypoint: PID 1 in its pod, which must reap orphans (host.run_as_init).

@@ -28,6 +28,18 @@ def runnable_dir() -> str | None:
     return str(scripts) if (scripts / "__main__.py").is_file() else None
 
 
+def pod_program(name: str, *args: str) -> list[str]:
+    """Pod program `name`'s command line, run from within a pod program: the scripts directory as a program where
+    this package lies in one (the chart's; -S: it needs nothing from site-packages), else the installed package."""
+    scripts = runnable_dir()
+    return [sys.executable, "-I", *(["-S", scripts] if scripts else ["-m", "podruntime"]), name, *args]
+
+
+def runs_pod_program(argv: list[str], name: str) -> bool:
+    """Whether a process's command line is pod program `name`'s (pod_program's shape)."""
+    return name in argv[1:5] and (argv[3:4] == [name] or argv[4:5] == [name])
+
+
 def program(name: str, fallback: str) -> str:
     """A program on PATH (the image's), else where Debian puts it."""
     return shutil.which(name) or fallback

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 
-from podruntime import channel, evidence, host, peercopy, protocol, ranks
+from podruntime import channel, evidence, host, peercopy, protocol, ranks, rankstart
 from podruntime.causes import STOPPED
 from podruntime.ledger import Began, Ledger, Stopped, last_word
 from podruntime.loop import Child
@@ -301,14 +301,30 @@ class Worker:
                 return 1
             if done:
                 self.log(done)
+        command = self.command
         if run in self.child.cancelled:
             self.log(f"{run} was halted before it started here (a host left it)")
         else:
-            self.log(f"running ({run}): {' '.join(self.command)}")
-        status = self.child.run(self.command, {**self.env, **attempt.env}, key=run)
+            command, how = self.start_command()
+            self.log(f"running ({run}): {how}")
+        status = self.child.run(command, {**self.env, **attempt.env}, key=run)
         if status == 0 and self.spoke is not None:  # the loop gathers no evidence of a run that ended well: its end
             self.spoke.send(channel.encode("end", index=self.index, run=run, **self.holdings()))  # is no vanishing
         return status
+
+    def start_command(self) -> tuple[list[str], str]:
+        """(this run's command, what the log says of it): after a run here, the ranks started by the loop as
+        DeepSpeed's launcher started them in it (rankstart.py: two interpreters, each importing torch, fewer);
+        on a pod's first run, or where the ranks' records say otherwise, DeepSpeed's runner."""
+        if self.child.ended:
+            found = rankstart.plan(self.state, self.command, self.index, self.child.ended)
+            if not isinstance(found, str):
+                recorded, starts = found
+                return (host.pod_program(rankstart.PROGRAM, recorded, *self.command),
+                        f"ranks {' '.join(start.env['RANK'] for start in starts)} started by the loop as DeepSpeed's "
+                        f"launcher started them in {recorded}")
+            self.log(f"DeepSpeed's runner starts the ranks ({found})")
+        return self.command, " ".join(self.command)
 
     def gather(self, attempt: Began, status: int) -> list[dict]:
         if self.owner:

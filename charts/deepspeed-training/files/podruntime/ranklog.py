@@ -26,7 +26,7 @@ import sys
 import time
 from collections import deque
 
-from podruntime import host, protocol
+from podruntime import host, protocol, rankstart
 from podruntime.tenantfiles import Tree
 from podruntime.text import complete_lines
 
@@ -118,14 +118,6 @@ def program_argv(argv: list[str]) -> list[str] | None:
     return [*program, *launcher, *rest[len(program):]]
 
 
-def prefixer_argv(head: str, rank_pid: int) -> list[str]:
-    """The prefixer as a program of its own (nothing that finds ranks by their command line finds it): the pods'
-    scripts directory run as a program when this package lies in one (the chart's), else the installed package."""
-    scripts = host.runnable_dir()
-    runner = ["-S", scripts] if scripts else ["-m", "podruntime"]
-    return [sys.executable, "-I", *runner, "rank-prefix", head, str(rank_pid)]
-
-
 def run_prefixer(argv: list[str]) -> int:
     """`rank-prefix HEAD RANK_PID`: stdin to stdout, each line tagged; then the witness."""
     for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -146,6 +138,9 @@ def main(argv: list[str]) -> int:
     if program is None:
         print("usage: rank-log.py [--local_rank=N] (-m MODULE | SCRIPT) [ARGS...]", file=sys.stderr)
         return 2
+    directory = os.environ.get(protocol.STATE_DIR_ENV)
+    if directory:  # what DeepSpeed's launcher gave this rank, for the loop's next start of it (rankstart.py)
+        rankstart.record(Tree(directory), [sys.argv[0], *argv])
     read_fd, write_fd = os.pipe()
     rank_pid = os.getpid()  # the rank's, once this process becomes the program
     child = os.fork()
@@ -156,7 +151,7 @@ def main(argv: list[str]) -> int:
                 os.dup2(read_fd, 0)
                 os.close(read_fd)
                 os.close(write_fd)
-                argv = prefixer_argv(tag().decode(), rank_pid)
+                argv = host.pod_program("rank-prefix", tag().decode(), str(rank_pid))
                 os.execv(argv[0], argv)
         finally:
             os._exit(0)

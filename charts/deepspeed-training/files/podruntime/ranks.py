@@ -13,7 +13,7 @@ import os
 import signal
 import time
 
-from podruntime import host, protocol
+from podruntime import host, protocol, rankstart
 from podruntime.tenantfiles import Tree
 from podruntime.text import Log
 
@@ -26,12 +26,17 @@ def is_rank(argv: list[str]) -> bool:
     return any(word.startswith("--local_rank=") for word in argv)
 
 
+def is_launcher(argv: list[str]) -> bool:
+    """DeepSpeed's launcher, or the loop's starter in its place on a retry (rankstart.py)."""
+    return any(LAUNCHER in word for word in argv) or host.runs_pod_program(argv, rankstart.PROGRAM)
+
+
 def find(uid: int | None = None) -> tuple[list[int], list[int]]:
-    """(DeepSpeed's launchers, their ranks) of this host's user: the ranks are the launchers' children, or, where a
+    """(the launchers, their ranks) of this host's user: the ranks are the launchers' children, or, where a
     launcher died, the processes that carry its --local_rank=."""
     me = os.getpid()
     processes = [p for p in host.processes(os.getuid() if uid is None else uid) if p.pid != me]
-    launchers = [p.pid for p in processes if any(LAUNCHER in word for word in p.argv)]
+    launchers = [p.pid for p in processes if is_launcher(p.argv)]
     ranks = [p.pid for p in processes if p.ppid in launchers] if launchers else \
         [p.pid for p in processes if is_rank(p.argv)]
     return launchers, ranks
