@@ -62,7 +62,7 @@ NAN = {"deepspeed": {"config": cpu_ds_config(stage=2, micro=4, gradient_clipping
 
 def train_cases(mode: str) -> list[Case]:
     return [
-        Case("completes", mode, "train", "none", "completed", ci=mode == "nossh"),
+        Case("completes", mode, "train", "none", "completed"),
         Case("kill-9", mode, "train", "kill", "program-error", words="was killed by SIGKILL"),
         Case("sigstop", mode, "train", "stop", "hang", words="its process is stopped", values=HANG),
         Case("blocked-read", mode, "train", "program", "hang", words="stuck outside any collective",
@@ -77,7 +77,7 @@ def train_cases(mode: str) -> list[Case]:
         Case("config-error", mode, "train", "none", "config-error", job="config-error", words="data.path",
              values={"train": {"config": {"data": {"path": "/nonexistent/tokens.bin"}}}}),
         Case("nan-loss-twice", mode, "train", "none", "loss-nan", job="loss-nan", words="stopped before saving",
-             values=NAN, ci=mode == "ssh"),
+             values=NAN, ci=mode == "nossh"),
         Case("full-volume", mode, "train", "full", "storage-error", job="storage-error", words="full:",
              values={"train": {"config": {"steps": 200, "keep_checkpoints": 100}}}),
         Case("budget-spent", mode, "train", "kill", "program-error", job="budget-spent",
