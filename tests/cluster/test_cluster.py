@@ -323,6 +323,182 @@ def test_each_account_holds_only_its_own_releases_rights(namespace):
           f"{sorted(own)}")
 
 
+# The longest tests first: the tier runs two at a time (scripts/test-cluster.sh), and a long one that starts
+# last would run alone at the end.
+
+
+def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_template(namespace, shared_claim):
+    """Seen before the fix: the new launcher passed its worker check against the OLD pods at once, pdsh then hit
+    a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds.
+    The runs are endless (150 steps take 2 s here: the first run could end before the upgrade lands); the test
+    needs the new launcher's first run to resume and train on, not to finish."""
+    # peak_tflops: an MFU on CPU, for the dashboard's MFU panel.
+    values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10,
+                                                                               "peak_tflops": 1.0}}
+    install(namespace, steps=100000, launcher={"scaleDownWorkers": False}, **values)
+    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
+             lambda: diagnose(namespace))
+    check_the_dashboard_on_a_real_prometheus(namespace)
+    # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
+    install(namespace, steps=100000, action="upgrade", launcher={"scaleDownWorkers": False},
+            worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
+    # The pre-upgrade config check ran (and passed: Helm deleted it) while the first launcher's run held the workers.
+    check = f"involvedObject.name={RELEASE}-deepspeed-training-config-check"
+    events = kubectl("get", "events", "--field-selector", check, "-o", "jsonpath={.items[*].reason}",
+                     namespace=namespace).split()
+    assert events.count("Completed") == 2, events  # the pre-install's and the pre-upgrade's
+    second = f"{RELEASE}-deepspeed-training-launcher-2"
+
+    def trained_on_after_resuming() -> str | None:
+        logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace, check=False)
+        resumed = re.search(r"resumed from /checkpoints/step_(\d+) at step", logs)
+        steps = [int(n) for n in re.findall(r"INFO step (\d+)/", logs)]
+        return logs if resumed and steps and max(steps) >= int(resumed.group(1)) + 20 else None
+
+    logs = wait_for(trained_on_after_resuming, 400, "the new launcher to resume and train 20 steps",
+                    lambda: diagnose(namespace))
+    assert not get("job", second, namespace)["status"].get("failed")
+    # The upgrade's new Job continues the release's ledger (keyed by the install, not the Job): the first Job's
+    # attempt, stopped by the upgrade, is a preemption.
+    assert "attempts: attempt 2 (0 of 2 failures used, 1 preemption)" in logs, logs[:3000]
+    assert "launcher: retry" not in logs, logs[:logs.index("launcher: retry")][-8000:]  # the failed first run
+    stop_endless_job(namespace)
+    print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
+
+
+def endpoint_for_pods(gateway: dict[str, str]) -> str:
+    """The local gateway as this cluster's pods reach it. local-s3's LOCAL_S3_ENDPOINT_FOR_PODS names the host's
+    own address, which local-k8s's pods have no route to (no default route); the host's side of their bridge, which
+    is also their DNS server (the kubelet's clusterDNS), is on their link, and the gateway listens there too."""
+    node = json.loads(kubectl("get", "nodes", "-o", "json", namespace="default"))["items"][0]["metadata"]["name"]
+    config = json.loads(kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/configz", namespace="default"))
+    port = urllib.parse.urlsplit(gateway["LOCAL_S3_ENDPOINT_FOR_PODS"]).port
+    return f"http://{config['kubeletconfig']['clusterDNS'][0]}:{port}"
+
+
+def test_every_worker_pod_and_volume_lost_resumes_from_the_bucket_with_the_failure_budget_it_had(namespace):
+    """launchMode nossh on the chart's default storage (an emptyDir per worker pod) with an S3 bucket (the real RADOS
+    Gateway on this host, which the pods reach at its address): a killed rank spends one failure and the retry in
+    the pods resumes from their own volumes; then every worker pod is deleted, and with it every volume: the new
+    pods' restore containers fetch their parts of the newest committed checkpoint and the job's ledger from the
+    bucket before the ranks start, which resume there with one failure used and the deletion a preemption."""
+    from tests.support import s3
+
+    if not os.environ.get("LOCAL_K8S") or s3.unavailable():
+        pytest.skip(f"needs the local cluster and the local S3 gateway: {s3.unavailable() or 'not local'}")
+    gateway = s3.up()
+    bucket = s3.new_bucket(gateway)
+    kubectl("create", "secret", "generic", "ckpt-s3", *(f"--from-literal={key}={gateway[key]}" for key in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")), namespace=namespace)
+    install(namespace, steps=100000, launchMode="nossh", job={"runRetries": 2},
+            checkpoints={"objectStore": {"bucket": bucket, "endpoint": endpoint_for_pods(gateway),
+                                         "credentialsSecret": "ckpt-s3"}})
+    store = s3.client(gateway)
+    prefix = f"{namespace}/{RELEASE}/checkpoints/"
+
+    def committed() -> int:
+        steps = [int(m[1]) for o in store.list_objects(bucket, prefix=prefix, recursive=True)
+                 if (m := re.search(r"step_(\d+)/committed\.json$", o.object_name))]
+        return max(steps, default=0)
+
+    def worker_logs() -> str:
+        return kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
+                       "--tail=-1", "-c", "worker", namespace=namespace, check=False)
+
+    wait_for(lambda: committed() >= 20, 300, "a checkpoint committed in the bucket", lambda: diagnose(namespace))
+    kubectl("exec", nossh_pod(namespace, 1), "-c", "worker", "--", "pkill", "-KILL", "-f", "--", "--local_rank=",
+            namespace=namespace)
+    wait_for(lambda: "attempt 2 (1 of 2 failures used, 0 preemptions)" in worker_logs(), 300, "the retry",
+             lambda: worker_logs()[-3000:])
+    before = committed()
+    wait_for(lambda: committed() > before, 300, "a checkpoint of the retry in the bucket", lambda: diagnose(namespace))
+    old = {nossh_pod(namespace, 0), nossh_pod(namespace, 1)}
+    kubectl("delete", "pods", "-l", f"job-name={NOSSH_WORKERS}", "--wait=true", namespace=namespace, timeout=180)
+    wait_for(lambda: all(nossh_pod(namespace, i) not in ("", *old) for i in (0, 1)), 300, "the new worker pods",
+             lambda: diagnose(namespace))
+    restored = {i: kubectl("logs", nossh_pod(namespace, i), "-c", "restore", namespace=namespace) for i in (0, 1)}
+    step = int(re.search(r"restored step_(\d+) from the bucket", restored[0])[1])
+    assert f"restored step_{step:08d} from the bucket into /checkpoints/step_{step:08d} (node 1's part" in restored[1]
+    assert "restored the job's attempts records" in restored[0], restored[0]
+    logs = wait_for(lambda: (log := worker_logs()) and f"resumed from /checkpoints/step_{step:08d} at step {step}"
+                    in log and log, 300, "the new pods to resume from the bucket's checkpoint",
+                    lambda: worker_logs()[-4000:])
+    # The failure budget the job had: one failure used, and the deletion of its pods a preemption.
+    assert "attempt 3 (1 of 2 failures used, 1 preemption)" in logs, logs[-4000:]
+    print(f"\nrestore containers: {restored[0].strip()} | {restored[1].strip()}")
+    stop_endless_job(namespace)
+
+
+def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
+    """nossh on per-pod volumes (no shared diagnostics/): worker 1's report reaches worker 0 at the start barrier,
+    whose sidecar names the culprit in the ConfigMap as the retry in the pods starts. Then worker 1's pod is deleted
+    (a preemption) and its replacement resumes from the copy worker 0 keeps of its part (a force delete is the same on
+    Kubernetes 1.36: its containers get SIGTERM; the ssh test below does one); then both pods are deleted, and the
+    job stops in one line rather than train from step 0."""
+    install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 1},
+            hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
+    wait_for(lambda: "INFO step 40/" in kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-"
+                                                "completion-index=0", "--tail=-1", namespace=namespace, check=False),
+             300, "step 40", lambda: diagnose(namespace))
+    kubectl("exec", nossh_pod(namespace, 1), "--", "pkill", "-STOP", "-f", "--", "--local_rank=", namespace=namespace)
+    seen = wait_for(lambda: (data := progress_data(namespace)).get("culprit") and "attempt 2 (" in data.get(
+        "summary", "") and data, 300, "the ConfigMap to name the culprit during the retry",
+        lambda: f"{progress_data(namespace)}\n{diagnose(namespace)}")
+    assert seen["culprit"] == f"rank 1 on {NOSSH_WORKERS}-1", seen
+    assert f"hang: rank 1 on {NOSSH_WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
+    assert re.search(r"attempt 2 \(1 of 1 failures used", seen["summary"]), seen
+    print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
+          f"{seen['summary']}")
+    text, seconds = make_why(namespace, "nossh")
+    assert re.search(rf"Attempts: 1 hang at step \d+, {TOOK} \(culprit rank 1 on {NOSSH_WORKERS}-1; its stacks: "
+                     rf"/checkpoints/_job/diagnostics/run-0001-\w+/{NOSSH_WORKERS}-1.txt", text), text
+    lines = make_logs(namespace, "nossh", 1, 1)  # worker 1's own log holds its rank
+    assert lines[0].startswith(f"== pod {NOSSH_WORKERS}-1-") and len(lines) > 2, lines
+    assert all("[rank 1 attempt 1] " in line for line in lines[1:]), lines
+    print(f"make why ({seconds:.2f}s):\n{text}")
+    # On these per-pod volumes (the chart's default storage) worker 1's pod is deleted: the Job controller's new
+    # pod starts with an empty volume and resumes from the part worker 0 keeps of it (the peer copy).
+    worker0_log = lambda: kubectl("logs", nossh_pod(namespace, 0), "-c", "worker", namespace=namespace,  # noqa: E731
+                                  check=False)
+    wait_for(lambda: "keeping worker 1's part" in worker0_log(), 120, "a part of worker 1's kept on worker 0",
+             lambda: diagnose(namespace))
+    plan = re.compile(r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)")
+
+    def resumed_from_the_peer_copy(times: int) -> tuple[str, str] | None:
+        """(the planned tag, the tag rank 0 resumed from) of the `times`th resume from the peer copy, once there."""
+        log = worker0_log()
+        planned = list(plan.finditer(log))
+        if len(planned) < times:
+            return None
+        resumed = re.search(r"resumed from /checkpoints/(step_\d+) at step", log[planned[times - 1].end():])
+        return (planned[times - 1][1], resumed[1]) if resumed else None
+
+    deleted = time.monotonic()
+    kubectl("delete", "pod", nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
+    tags = wait_for(lambda: resumed_from_the_peer_copy(1), 240, "the new pod to resume from the peer copy",
+                    lambda: diagnose(namespace))
+    deleted_s = time.monotonic() - deleted
+    assert tags[0] == tags[1], tags
+    # A deletion is a preemption: the attempt it ended spent nothing.
+    wait_for(lambda: "attempt 3 (1 of 1 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
+             60, "attempt 3 to count a preemption", lambda: str(progress_data(namespace)))
+    print(f"worker pod deleted (nossh): resumed from the peer copy {deleted_s:.0f}s later")
+    # Both pods deleted: every volume and the ledger with them. The new worker 0 knows from the progress ConfigMap
+    # that the peer copy had a step: one line, a failed Job, never a start from step 0. (Or, when the old worker 1,
+    # still in its grace period, joined the new worker 0 with its holdings first: no tag every worker holds, which
+    # stops the same way.)
+    kubectl("delete", "pod", nossh_pod(namespace, 0), nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
+    reason = wait_for(lambda: "not starting from step 0" in (text := progress_data(namespace).get("reason", ""))
+                      and text, 240, "the job to stop in one line", lambda: diagnose(namespace))
+    assert re.search(r"config-error: (no worker holds a checkpoint any more, though the peer copy had copied step \d+|"
+                     r"no checkpoint is held by every worker, on its own volume or as the copy its peer keeps: "
+                     r"worker 0 holds none)", reason), reason
+    wait_for(lambda: any(c["type"] == "Failed" and c["status"] == "True" for c in
+                         get("job", NOSSH_WORKERS, namespace).get("status", {}).get("conditions", [])), 120,
+             "the Job to fail", lambda: diagnose(namespace))
+    stop_endless_job(namespace)
+
+
 def test_install_trains_to_completion_with_restricted_pods_and_scales_down(namespace):
     started = time.monotonic()
     install(namespace, steps=60)
@@ -479,76 +655,6 @@ def culprit_seen(namespace: str, seen: dict) -> bool:
     return True
 
 
-def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
-    """nossh on per-pod volumes (no shared diagnostics/): worker 1's report reaches worker 0 at the start barrier,
-    whose sidecar names the culprit in the ConfigMap as the retry in the pods starts. Then worker 1's pod is deleted
-    (a preemption) and its replacement resumes from the copy worker 0 keeps of its part (a force delete is the same on
-    Kubernetes 1.36: its containers get SIGTERM; the ssh test below does one); then both pods are deleted, and the
-    job stops in one line rather than train from step 0."""
-    install(namespace, steps=1000, launchMode="nossh", train_config={"checkpoint_every": 20}, job={"runRetries": 1},
-            hangDetection={"enabled": True, "startupSeconds": 120, "stepSeconds": 10, "checkpointSeconds": 10})
-    wait_for(lambda: "INFO step 40/" in kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-"
-                                                "completion-index=0", "--tail=-1", namespace=namespace, check=False),
-             300, "step 40", lambda: diagnose(namespace))
-    kubectl("exec", nossh_pod(namespace, 1), "--", "pkill", "-STOP", "-f", "--", "--local_rank=", namespace=namespace)
-    seen = wait_for(lambda: (data := progress_data(namespace)).get("culprit") and "attempt 2 (" in data.get(
-        "summary", "") and data, 300, "the ConfigMap to name the culprit during the retry",
-        lambda: f"{progress_data(namespace)}\n{diagnose(namespace)}")
-    assert seen["culprit"] == f"rank 1 on {NOSSH_WORKERS}-1", seen
-    assert f"hang: rank 1 on {NOSSH_WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
-    assert re.search(r"attempt 2 \(1 of 1 failures used", seen["summary"]), seen
-    print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
-          f"{seen['summary']}")
-    text, seconds = make_why(namespace, "nossh")
-    assert re.search(rf"Attempts: 1 hang at step \d+, {TOOK} \(culprit rank 1 on {NOSSH_WORKERS}-1; its stacks: "
-                     rf"/checkpoints/_job/diagnostics/run-0001-\w+/{NOSSH_WORKERS}-1.txt", text), text
-    lines = make_logs(namespace, "nossh", 1, 1)  # worker 1's own log holds its rank
-    assert lines[0].startswith(f"== pod {NOSSH_WORKERS}-1-") and len(lines) > 2, lines
-    assert all("[rank 1 attempt 1] " in line for line in lines[1:]), lines
-    print(f"make why ({seconds:.2f}s):\n{text}")
-    # On these per-pod volumes (the chart's default storage) worker 1's pod is deleted: the Job controller's new
-    # pod starts with an empty volume and resumes from the part worker 0 keeps of it (the peer copy).
-    worker0_log = lambda: kubectl("logs", nossh_pod(namespace, 0), "-c", "worker", namespace=namespace,  # noqa: E731
-                                  check=False)
-    wait_for(lambda: "keeping worker 1's part" in worker0_log(), 120, "a part of worker 1's kept on worker 0",
-             lambda: diagnose(namespace))
-    plan = re.compile(r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)")
-
-    def resumed_from_the_peer_copy(times: int) -> tuple[str, str] | None:
-        """(the planned tag, the tag rank 0 resumed from) of the `times`th resume from the peer copy, once there."""
-        log = worker0_log()
-        planned = list(plan.finditer(log))
-        if len(planned) < times:
-            return None
-        resumed = re.search(r"resumed from /checkpoints/(step_\d+) at step", log[planned[times - 1].end():])
-        return (planned[times - 1][1], resumed[1]) if resumed else None
-
-    deleted = time.monotonic()
-    kubectl("delete", "pod", nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
-    tags = wait_for(lambda: resumed_from_the_peer_copy(1), 240, "the new pod to resume from the peer copy",
-                    lambda: diagnose(namespace))
-    deleted_s = time.monotonic() - deleted
-    assert tags[0] == tags[1], tags
-    # A deletion is a preemption: the attempt it ended spent nothing.
-    wait_for(lambda: "attempt 3 (1 of 1 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
-             60, "attempt 3 to count a preemption", lambda: str(progress_data(namespace)))
-    print(f"worker pod deleted (nossh): resumed from the peer copy {deleted_s:.0f}s later")
-    # Both pods deleted: every volume and the ledger with them. The new worker 0 knows from the progress ConfigMap
-    # that the peer copy had a step: one line, a failed Job, never a start from step 0. (Or, when the old worker 1,
-    # still in its grace period, joined the new worker 0 with its holdings first: no tag every worker holds, which
-    # stops the same way.)
-    kubectl("delete", "pod", nossh_pod(namespace, 0), nossh_pod(namespace, 1), "--wait=false", namespace=namespace)
-    reason = wait_for(lambda: "not starting from step 0" in (text := progress_data(namespace).get("reason", ""))
-                      and text, 240, "the job to stop in one line", lambda: diagnose(namespace))
-    assert re.search(r"config-error: (no worker holds a checkpoint any more, though the peer copy had copied step \d+|"
-                     r"no checkpoint is held by every worker, on its own volume or as the copy its peer keeps: "
-                     r"worker 0 holds none)", reason), reason
-    wait_for(lambda: any(c["type"] == "Failed" and c["status"] == "True" for c in
-                         get("job", NOSSH_WORKERS, namespace).get("status", {}).get("conditions", [])), 120,
-             "the Job to fail", lambda: diagnose(namespace))
-    stop_endless_job(namespace)
-
-
 def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resumes(namespace, shared_claim):
     # No periodic checkpoints: any checkpoint is the one the ranks wrote on SIGTERM.
     install(namespace, steps=100000, train_config={"checkpoint_every": 0}, checkpoints={"existingClaim": shared_claim},
@@ -686,105 +792,3 @@ def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_pla
                      "the progress ConfigMap's summary to say done at step 120", lambda: str(progress_data(namespace)))
     assert "attempt 2 (1 of 2 failures used, 0 preemptions)" in final["summary"], final
     assert final["goodput"].endswith("(2 attempts)"), final
-
-
-def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_template(namespace, shared_claim):
-    """Seen before the fix: the new launcher passed its worker check against the OLD pods at once, pdsh then hit
-    a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds.
-    The runs are endless (150 steps take 2 s here: the first run could end before the upgrade lands); the test
-    needs the new launcher's first run to resume and train on, not to finish."""
-    # peak_tflops: an MFU on CPU, for the dashboard's MFU panel.
-    values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10,
-                                                                               "peak_tflops": 1.0}}
-    install(namespace, steps=100000, launcher={"scaleDownWorkers": False}, **values)
-    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
-             lambda: diagnose(namespace))
-    check_the_dashboard_on_a_real_prometheus(namespace)
-    # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
-    install(namespace, steps=100000, action="upgrade", launcher={"scaleDownWorkers": False},
-            worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
-    # The pre-upgrade config check ran (and passed: Helm deleted it) while the first launcher's run held the workers.
-    check = f"involvedObject.name={RELEASE}-deepspeed-training-config-check"
-    events = kubectl("get", "events", "--field-selector", check, "-o", "jsonpath={.items[*].reason}",
-                     namespace=namespace).split()
-    assert events.count("Completed") == 2, events  # the pre-install's and the pre-upgrade's
-    second = f"{RELEASE}-deepspeed-training-launcher-2"
-
-    def trained_on_after_resuming() -> str | None:
-        logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace, check=False)
-        resumed = re.search(r"resumed from /checkpoints/step_(\d+) at step", logs)
-        steps = [int(n) for n in re.findall(r"INFO step (\d+)/", logs)]
-        return logs if resumed and steps and max(steps) >= int(resumed.group(1)) + 20 else None
-
-    logs = wait_for(trained_on_after_resuming, 400, "the new launcher to resume and train 20 steps",
-                    lambda: diagnose(namespace))
-    assert not get("job", second, namespace)["status"].get("failed")
-    # The upgrade's new Job continues the release's ledger (keyed by the install, not the Job): the first Job's
-    # attempt, stopped by the upgrade, is a preemption.
-    assert "attempts: attempt 2 (0 of 2 failures used, 1 preemption)" in logs, logs[:3000]
-    assert "launcher: retry" not in logs, logs[:logs.index("launcher: retry")][-8000:]  # the failed first run
-    stop_endless_job(namespace)
-    print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
-
-
-def endpoint_for_pods(gateway: dict[str, str]) -> str:
-    """The local gateway as this cluster's pods reach it. local-s3's LOCAL_S3_ENDPOINT_FOR_PODS names the host's
-    own address, which local-k8s's pods have no route to (no default route); the host's side of their bridge, which
-    is also their DNS server (the kubelet's clusterDNS), is on their link, and the gateway listens there too."""
-    node = json.loads(kubectl("get", "nodes", "-o", "json", namespace="default"))["items"][0]["metadata"]["name"]
-    config = json.loads(kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/configz", namespace="default"))
-    port = urllib.parse.urlsplit(gateway["LOCAL_S3_ENDPOINT_FOR_PODS"]).port
-    return f"http://{config['kubeletconfig']['clusterDNS'][0]}:{port}"
-
-
-def test_every_worker_pod_and_volume_lost_resumes_from_the_bucket_with_the_failure_budget_it_had(namespace):
-    """launchMode nossh on the chart's default storage (an emptyDir per worker pod) with an S3 bucket (the real RADOS
-    Gateway on this host, which the pods reach at its address): a killed rank spends one failure and the retry in
-    the pods resumes from their own volumes; then every worker pod is deleted, and with it every volume: the new
-    pods' restore containers fetch their parts of the newest committed checkpoint and the job's ledger from the
-    bucket before the ranks start, which resume there with one failure used and the deletion a preemption."""
-    from tests.support import s3
-
-    if not os.environ.get("LOCAL_K8S") or s3.unavailable():
-        pytest.skip(f"needs the local cluster and the local S3 gateway: {s3.unavailable() or 'not local'}")
-    gateway = s3.up()
-    bucket = s3.new_bucket(gateway)
-    kubectl("create", "secret", "generic", "ckpt-s3", *(f"--from-literal={key}={gateway[key]}" for key in (
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")), namespace=namespace)
-    install(namespace, steps=100000, launchMode="nossh", job={"runRetries": 2},
-            checkpoints={"objectStore": {"bucket": bucket, "endpoint": endpoint_for_pods(gateway),
-                                         "credentialsSecret": "ckpt-s3"}})
-    store = s3.client(gateway)
-    prefix = f"{namespace}/{RELEASE}/checkpoints/"
-
-    def committed() -> int:
-        steps = [int(m[1]) for o in store.list_objects(bucket, prefix=prefix, recursive=True)
-                 if (m := re.search(r"step_(\d+)/committed\.json$", o.object_name))]
-        return max(steps, default=0)
-
-    def worker_logs() -> str:
-        return kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
-                       "--tail=-1", "-c", "worker", namespace=namespace, check=False)
-
-    wait_for(lambda: committed() >= 20, 300, "a checkpoint committed in the bucket", lambda: diagnose(namespace))
-    kubectl("exec", nossh_pod(namespace, 1), "-c", "worker", "--", "pkill", "-KILL", "-f", "--", "--local_rank=",
-            namespace=namespace)
-    wait_for(lambda: "attempt 2 (1 of 2 failures used, 0 preemptions)" in worker_logs(), 300, "the retry",
-             lambda: worker_logs()[-3000:])
-    before = committed()
-    wait_for(lambda: committed() > before, 300, "a checkpoint of the retry in the bucket", lambda: diagnose(namespace))
-    old = {nossh_pod(namespace, 0), nossh_pod(namespace, 1)}
-    kubectl("delete", "pods", "-l", f"job-name={NOSSH_WORKERS}", "--wait=true", namespace=namespace, timeout=180)
-    wait_for(lambda: all(nossh_pod(namespace, i) not in ("", *old) for i in (0, 1)), 300, "the new worker pods",
-             lambda: diagnose(namespace))
-    restored = {i: kubectl("logs", nossh_pod(namespace, i), "-c", "restore", namespace=namespace) for i in (0, 1)}
-    step = int(re.search(r"restored step_(\d+) from the bucket", restored[0])[1])
-    assert f"restored step_{step:08d} from the bucket into /checkpoints/step_{step:08d} (node 1's part" in restored[1]
-    assert "restored the job's attempts records" in restored[0], restored[0]
-    logs = wait_for(lambda: (log := worker_logs()) and f"resumed from /checkpoints/step_{step:08d} at step {step}"
-                    in log and log, 300, "the new pods to resume from the bucket's checkpoint",
-                    lambda: worker_logs()[-4000:])
-    # The failure budget the job had: one failure used, and the deletion of its pods a preemption.
-    assert "attempt 3 (1 of 2 failures used, 1 preemption)" in logs, logs[-4000:]
-    print(f"\nrestore containers: {restored[0].strip()} | {restored[1].strip()}")
-    stop_endless_job(namespace)
