@@ -10,7 +10,7 @@ import pytest
 
 from scripts import deployctl
 from scripts.jinja_render import render as render_template
-from tests.support.chart import HELM, ROOT, render_chart
+from tests.support.chart import HELM, ROOT
 from tests.support.glue_tree import run, set_key, write
 from tests.support.payloads import ALIAS_BOMB
 from train import dsconfig
@@ -98,13 +98,18 @@ BAD = {
     "project named after another's objects": (copy_project("example-deepspeed-training"),
                                               ["--env", "dev", "--project", "example-deepspeed-training"],
                                               ["values/projects/example-deepspeed-training/", "project example ",
-                                               "example-deepspeed-training-*", "namespace ml-dev"]),
+                                               "would both create", "ml-dev/example-deepspeed-training-"]),
     "the other project of the pair": (copy_project("example-deepspeed-training"), DEV_EXAMPLE,
                                       ["project example ", "project example-deepspeed-training ",
-                                       "example-deepspeed-training-*"]),
+                                       "ml-dev/example-deepspeed-training-"]),
+    "project named after another's hook": (  # its ServiceAccount is example's config-check hook's account
+        copy_project("example-deepspeed-training-config-check"),
+        ["--env", "dev", "--project", "example-deepspeed-training-config-check"],
+        ["values/projects/example-deepspeed-training-config-check/", "project example ",
+         "ServiceAccount ml-dev/example-deepspeed-training-config-check"]),
     "fullnameOverride takes another project's names": (
         set_key("projects/example/values.yaml", "chart", "fullnameOverride", "hf-example-deepspeed-training"),
-        DEV_EXAMPLE, [EXAMPLE, "project hf-example ", "hf-example-deepspeed-training-*"]),
+        DEV_EXAMPLE, [EXAMPLE, "project hf-example ", "ml-dev/hf-example-deepspeed-training-"]),
     "project names a release of its own": (set_key("projects/example/values.yaml", "deploy", "release",
                                                    "kube-prometheus-stack"), DEV_EXAMPLE, [EXAMPLE, "deploy.release"]),
     "project picks its namespace": (set_key("projects/example/values.yaml", "deploy", "namespace", "monitoring"),
@@ -272,6 +277,16 @@ def test_a_copied_project_deploys_as_its_own_release(tree, capsys):
     assert "release     team-b in namespace ml-dev" in out
 
 
+def test_a_project_whose_name_extends_anothers_deploys_beside_it(tree, capsys):
+    """`example` and `example-7b` (llama and llama-7b): one name starts the other, their objects' names do not
+    meet; each deploys, in the same namespace."""
+    copy_project("example-7b")(tree)
+    for project in ("example-7b", "example"):
+        code, out, err = run("deploy", "--env", "dev", "--project", project, "--dry-run", capsys=capsys)
+        assert code == 0, err
+        assert f"release     {project} in namespace ml-dev" in out
+
+
 PRESETS = sorted(p.name.removesuffix(".json.j2") for p in (ROOT / "templates" / "ds_config").glob("[!_]*.json.j2"))
 PROJECTS = [None] + sorted(p.name for p in (ROOT / "values" / "projects").iterdir() if p.is_dir())
 
@@ -346,19 +361,3 @@ def test_status_prints_nothing_raw_from_the_cluster():
     assert "step 1" in text and "paste me" in text and "run-1?exe.txt" in text
     legit = deployctl.progress_text({"summary": "training | step 120/300 (40.0%) | loss 0.4064", "step": "120"})
     assert legit == "training | step 120/300 (40.0%) | loss 0.4064\n  step             120"
-
-
-FULLNAMES = [("job", {}), ("example-deepspeed-training", {}), ("a" * 53, {}), ("b" * 44 + "-xyz", {}),
-             ("train", {"nameOverride": "trainer"}), ("trainer-x", {"nameOverride": "trainer"}),
-             ("job", {"fullnameOverride": "shared-" + "c" * 38}), ("x" * 29, {"nameOverride": "e" * 14 + "-f"}),
-             ("trainer", {"nameOverride": "e" * 45})]
-
-
-@pytest.mark.skipif(HELM is None, reason="no helm binary; run `make setup`")
-@pytest.mark.parametrize(("release", "chart"), FULLNAMES, ids=[f"{r[:12]}-{sorted(c)}" for r, c in FULLNAMES])
-def test_the_glues_object_name_prefix_is_the_charts(release, chart):
-    """The glue's copy of the chart's fullname (its collision check) names the objects as helm does."""
-    docs = render_chart(chart, release=release)
-    config = next(d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith(
-        "-config"))
-    assert deployctl.chart_fullname(release, chart) == config.removesuffix("-config")

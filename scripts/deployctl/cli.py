@@ -10,6 +10,7 @@ from scripts.deployctl.cluster import kube_context, status
 from scripts.deployctl.common import DeployError
 from scripts.deployctl.dsconf import quiet_deepspeed
 from scripts.deployctl.helm import demo, deploy, helm, helm_args, helm_template, release_name, run
+from scripts.deployctl.names import check_names_are_unique
 from scripts.deployctl.pins import check_pins
 from scripts.deployctl.plan import plan
 from scripts.deployctl.render import build, write
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         manifests = helm_template(r)  # the chart's own checks, before any plan, demo or cluster command
         if args.project:
+            if not read_only:  # a look at a running release is never refused for a neighbour's names
+                check_names_are_unique(r, manifests)
             check_pins(r, manifests, check_ds_config=not read_only)
         if args.command == "demo":
             return demo(r, manifests)

@@ -202,49 +202,18 @@ def check_scalars(values, origin: dict, path: tuple = ()) -> None:
         raise DeployError(f"{source_of(origin, path)}: {dotted(path)}: {problem}")
 
 
-def chart_fullname(release: str, chart: dict) -> str:
-    """The prefix of every object name the chart renders for `release` with these chart values: the chart's
-    `deepspeed-training.fullname` (templates/_helpers.tpl), which tests/test_hostile_glue.py renders with helm to
-    keep this copy equal."""
-    def cut(name: str) -> str:  # `trunc 45 | trimSuffix "-"`
-        name = name[:45]
-        return name[:-1] if name.endswith("-") else name
-
-    if chart.get("fullnameOverride"):
-        return cut(chart["fullnameOverride"])
-    name = chart.get("nameOverride") or common.CHART_NAME
-    return cut(release if name in release else f"{release}-{name}")
-
-
-def release_identity(settings: dict, project: str | None) -> tuple[str, str, str]:
-    """(namespace, release, object-name prefix) of a project's release, as the layers give them."""
-    namespace = settings["deploy"].get("projectNamespaces", {}).get(project, settings["deploy"]["namespace"])
-    release = release_of(settings, project)
-    return namespace, release, chart_fullname(release, settings.get("chart") or {})
-
-
 def check_release_is_unique(settings: dict, origin: dict, env: str, project: str | None) -> None:
-    """Two projects with one release name would replace each other's running job; two whose objects have the same
-    names in one namespace (a project named `<other>-deepspeed-training`, a fullnameOverride) would fail or squat
-    each other's install."""
+    """Two projects with one release name would replace each other's running job. (Two whose objects share names
+    in one namespace are refused on their renders: names.check_names_are_unique.)"""
     if not project:
         return
-    namespace, mine, prefix = release_identity(settings, project)
+    mine = release_of(settings, project)
     for other in sorted(p.name for p in (common.VALUES / "projects").iterdir() if p.is_dir() and p.name != project):
-        other_settings = without_nulls(load_layers(env, other)[0])
-        other_namespace, theirs, other_prefix = release_identity(other_settings, other)
+        theirs = release_of(without_nulls(load_layers(env, other)[0]), other)
         if theirs == mine:
             raise DeployError(f"{source_of(origin, ('deploy', 'release'))}: deploy.release {mine!r} is also the "
                               f"release of values/projects/{other}/: releases must be unique (leave deploy.release "
                               "empty to use the project's directory name)")
-        if (other_namespace, other_prefix) == (namespace, prefix):
-            names = [source_of(origin, ("chart", key)) for key in ("fullnameOverride", "nameOverride")
-                     if ("chart", key) in origin]
-            where = names[0] if names else f"values/projects/{project}/"
-            raise DeployError(f"{where}: project {project} (release {mine}) and project {other} (release {theirs}) "
-                              f"would both name their objects {prefix}-* in namespace {namespace}: the second "
-                              "install would fail or take the first's objects; rename one project's directory (or "
-                              "change chart.fullnameOverride / chart.nameOverride)")
 
 
 def check_chart_values(chart: dict, origin: dict) -> dict:
