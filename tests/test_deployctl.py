@@ -273,3 +273,46 @@ def test_plan_says_where_checkpoints_live_and_what_the_peer_copy_costs(tree, cap
     code, out, err = run("plan", "--env", "dev", "--project", "example", capsys=capsys)
     assert code == 0, err
     assert "checkpoints the shared claim checkpoints-dev" in out and "peer copy" not in out
+
+
+def test_plan_adds_each_pods_requests_as_the_scheduler_does_and_says_why_it_did_not_ask_a_cluster(tree, capsys,
+                                                                                                  monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", str(tree / "no-such-kubeconfig"))
+    code, out, err = run("plan", "--env", "dev", "--project", "example", capsys=capsys)
+    assert code == 0, err
+    # values/dev.yaml asks 1 CPU per worker; the chart's own containers add theirs (the progress sidecar's 10m).
+    assert "  requests    2 worker pods x 1.01 CPU, 2.1 GiB memory; 1 launcher pod x " in out, out
+    assert "the job 2.03 CPU" in out, out
+    assert "  fits        not checked: no cluster reached (ConfigException" in out, out
+
+
+def test_a_pods_requests_add_sidecars_and_reserve_the_largest_init_container_beside_those_before_it():
+    from scripts.deployctl import fit
+
+    def c(cpu, memory="0", **extra):
+        return {"resources": {"requests": {"cpu": cpu, "memory": memory}}, **extra}
+
+    spec = {"containers": [c("1", "1Gi"), c("250m")],
+            "initContainers": [c("3"), c("100m", "512Mi", restartPolicy="Always"), c("2", "2Gi")]}
+    # containers 1.25 CPU + sidecar 0.1 = 1.35; init: 3, then 2 + the sidecar started before it = 2.1: 3 CPU.
+    # memory: 1 GiB + 512 MiB = 1.5 GiB; the last init container 2 GiB + the sidecar's 512 MiB = 2.5 GiB.
+    assert {k: float(v) for k, v in fit.pod_requests(spec).items()} == {"cpu": 3.0, "memory": 2.5 * 1024 ** 3}
+    assert fit.pod_requests({"containers": [{"resources": {"limits": {"cpu": "2"}}}], "overhead": {"cpu": "250m"}}) \
+        == {"cpu": fit.Decimal("2.25")}  # a limit alone is the request; the RuntimeClass overhead on top
+
+
+def test_the_job_fits_only_where_every_pod_finds_a_node_it_may_use():
+    from scripts.deployctl.fit import Decimal, Node, PodGroup, fits
+
+    worker = PodGroup("worker", 2, {"cpu": Decimal("1.5"), "nvidia.com/gpu": Decimal(1)},
+                      {"pool": "gpu"}, [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    launcher = PodGroup("launcher", 1, {"cpu": Decimal("0.5")})
+
+    def node(name, cpu, gpus=0, pool="gpu", taint=True):
+        return Node(name, {"cpu": Decimal(cpu), "nvidia.com/gpu": Decimal(gpus)}, {"pool": pool},
+                    [{"key": "gpu", "value": "", "effect": "NoSchedule"}] if taint else [])
+
+    assert fits([worker, launcher], [node("a", 4, 2), node("b", 1, taint=False)]) is None
+    assert "worker pod 2 of 2" in fits([worker], [node("a", 2, 2)])  # one worker's CPU left, not two
+    assert "worker pod 1 of 2" in fits([worker], [node("a", 4, 2, pool="cpu")])  # the selector names another pool
+    assert "launcher pod 1 of 1" in fits([launcher], [node("a", 4, 2)])  # the taint the launcher does not tolerate

@@ -3,7 +3,7 @@ warning the platform should read (relaxed security, code it trusts)."""
 
 import yaml
 
-from scripts.deployctl import common
+from scripts.deployctl import common, fit
 from scripts.deployctl.common import DeployError
 from scripts.deployctl.dsconf import layout_of
 from scripts.deployctl.helm import release_name
@@ -176,6 +176,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
     else:
         lines.append("  model       the program's own (no estimate)")
     lines.append(storage_plan(r, manifests, params))
+    groups = fit.pod_groups(manifests)
+    lines += [fit.requests_line(groups), *fit.fit_lines(groups, context)]
     lines += [f"  WARNING: {warning}" for warning in r.warnings]
     if resume_from := r.effective["checkpoints"]["resumeFrom"]:
         lines.append(f"  WARNING: {RESUME_FROM_TRUST.format(source=resume_from)}")

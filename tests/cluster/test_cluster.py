@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.parse
@@ -321,6 +322,26 @@ def test_each_account_holds_only_its_own_releases_rights(namespace):
     assert {s["name"] for b in bindings for s in b["subjects"]} == {f"{RELEASE}-deepspeed-training"}, bindings
     print(f"\nkubectl auth can-i --list --as=system:serviceaccount:{namespace}:{RELEASE}-deepspeed-training: "
           f"{sorted(own)}")
+
+
+def test_make_plan_says_whether_the_job_fits_this_clusters_nodes():
+    """`make plan` with this cluster as the kube context: dev's sizing (2 workers x 1 CPU, and the chart's own
+    containers on top) does not fit the one 2-CPU node; this tier's sizing (ci/09) does. Nothing is installed."""
+    from scripts.deployctl import fit
+
+    plan = subprocess.run([sys.executable, "-m", "scripts.deployctl", "plan", "--env", "dev", "--project", "example"],
+                          cwd=CHART.parents[1], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "  requests    2 worker pods x 1.01 CPU" in plan.stdout, plan.stdout
+    assert re.search(r"  fits        on empty nodes: no: worker pod 2 of 2 \(1\.01 CPU, [^)]*\) finds no node after "
+                     r"\d+ other pods? \(1 schedulable node;", plan.stdout), plan.stdout
+    assert re.search(r"  fits        now: (yes|no: .*finds no node)", plan.stdout), plan.stdout
+    manifests = subprocess.run([HELM, "template", RELEASE, str(CHART), "-f", str(SMALL_NODE)], capture_output=True,
+                               text=True, check=True).stdout
+    lines = fit.fit_lines(fit.pod_groups(manifests), None)
+    assert lines[0].startswith("  fits        on empty nodes: yes (1 schedulable node;"), lines
+    print("\n" + "\n".join(line for line in plan.stdout.splitlines() if line.startswith(("  requests", "  fits"))))
+    print("\n".join(lines))
 
 
 # The longest tests first: the tier runs two at a time (scripts/test-cluster.sh), and a long one that starts
