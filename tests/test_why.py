@@ -324,3 +324,53 @@ def test_make_why_takes_the_events_of_its_own_releases_objects_never_a_neighbour
     assert seen == ["llama-deepspeed-training-worker-1", "renamed-by-nobody",
                     "llama-deepspeed-training-config-check-x7k2q", "llama-deepspeed-training-launcher-0-ab12c",
                     "llama-deepspeed-training-worker", "llama-deepspeed-training-launcher-1-qq7rt"], seen
+
+
+def test_a_pod_that_cannot_start_is_said_with_the_clusters_reason():
+    """Unschedulable (the scheduler's message), an image that cannot be pulled (with the image), an init container
+    that fails (its last line): each a line of `make why`, from the API objects (the client's own models); a running
+    pod says nothing."""
+    from kubernetes import client as k
+
+    def pod_of(name, phase, conditions=(), statuses=(), inits=()):
+        return k.V1Pod(metadata=k.V1ObjectMeta(name=name), spec=k.V1PodSpec(containers=[k.V1Container(name="worker")]),
+                       status=k.V1PodStatus(phase=phase, conditions=list(conditions), container_statuses=list(statuses),
+                                            init_container_statuses=list(inits)))
+
+    def status(name, image="localhost/train:1", waiting=None, last=None):
+        return k.V1ContainerStatus(name=name, image=image, image_id="", ready=False, restart_count=3,
+                                   state=k.V1ContainerState(waiting=waiting),
+                                   last_state=k.V1ContainerState(terminated=last))
+
+    unscheduled = pod_of("demo-w-1", "Pending", [k.V1PodCondition(
+        type="PodScheduled", status="False", reason="Unschedulable",
+        message="0/1 nodes are available: 1 Insufficient cpu. preemption: 0/1 nodes are available")])
+    no_image = pod_of("demo-w-0", "Pending", statuses=[status("worker", "localhost/nope:1", k.V1ContainerStateWaiting(
+        reason="ImagePullBackOff", message='Back-off pulling image "localhost/nope:1"'))])
+    restore = pod_of("demo-w-2", "Pending", inits=[status("restore", waiting=k.V1ContainerStateWaiting(
+        reason="CrashLoopBackOff", message="back-off 20s restarting failed container"),
+        last=k.V1ContainerStateTerminated(exit_code=1, reason="Error", message="objectstore: listing the bucket\n"
+                                          "ERROR: the bucket refused the keys (InvalidAccessKeyId)\n"))])
+    running = pod_of("demo-launcher", "Running", statuses=[status("launcher")])
+
+    class Core:
+        def read_namespaced_config_map(self, name, namespace):
+            return k.V1ConfigMap(data={"state": "starting"})
+
+        def list_namespaced_pod(self, namespace, label_selector):
+            return k.V1PodList(items=[unscheduled, no_image, restore, running])
+
+        def list_namespaced_event(self, namespace):
+            return k.CoreV1EventList(items=[])
+
+    class Batch:
+        def list_namespaced_job(self, namespace, label_selector):
+            return k.V1JobList(items=[])
+
+    text = why.why_text(RELEASE, why.read(Core(), Batch(), RELEASE))
+    assert "Not running: pod demo-w-1 is not scheduled: 0/1 nodes are available: 1 Insufficient cpu." in text, text
+    assert "Not running: pod demo-w-0, container worker: its image localhost/nope:1 cannot be pulled " \
+           "(ImagePullBackOff: Back-off pulling image" in text, text
+    assert "Not running: pod demo-w-2, init container restore: waits: CrashLoopBackOff (back-off 20s restarting " \
+           "failed container); its last run ended: ERROR: the bucket refused the keys (InvalidAccessKeyId)." in text
+    assert "demo-launcher" not in text.split("Pods:")[0], text

@@ -98,7 +98,17 @@ def read(core, batch, release: Release) -> dict:
         devices = [(c.name, r.name, h.resource_id, h.message) for c in statuses
                    for r in (c.allocated_resources_status or []) for h in (r.resources or [])
                    if h.health == "Unhealthy"]
+        # Why a pod does not run: the scheduler's word (an unbound claim says so there too), a container that
+        # waits (an image that cannot be pulled, a crash loop), an init container's last failed run.
+        unschedulable = [c.message or c.reason or "" for c in pod.status.conditions or []
+                         if c.type == "PodScheduled" and c.status == "False"]
+        inits = {c.name for c in pod.status.init_container_statuses or []}
+        waiting = [(c.name, c.name in inits, c.state.waiting.reason or "", c.state.waiting.message or "", c.image or "",
+                    (c.last_state.terminated.message or "") if c.last_state and c.last_state.terminated else "")
+                   for c in statuses if c.state and c.state.waiting
+                   and c.state.waiting.reason not in (None, "ContainerCreating", "PodInitializing")]
         pods.append({"name": pod.metadata.name, "phase": pod.status.phase, "reason": pod.status.reason,
+                     "unschedulable": unschedulable[0] if unschedulable else None, "waiting": waiting,
                      "message": pod.status.message, "deleted": epoch(pod.metadata.deletion_timestamp),
                      "created": epoch(pod.metadata.creation_timestamp), "node": pod.spec.node_name,
                      "terminated": terminated, "disruption": disruption, "devices": devices,
@@ -257,12 +267,32 @@ def why_text(release: Release, observed: dict) -> str:
     unexplained = [e for e in evidence if not any(e["text"] == a.get("by") for a in entries)]
     for e in sorted(unexplained, key=lambda e: -(e["time"] or 0))[:EVENTS_SHOWN]:
         lines.append(f"The cluster saw: {p(e['text'], 500)} ({p(e['cause'])}).")
+    lines += not_running(observed["pods"], p)
     phases = {}
     for pod in observed["pods"]:
         phases[pod["phase"]] = phases.get(pod["phase"], 0) + 1
     if phases:
         lines.append("Pods: " + ", ".join(f"{n} {p(phase)}" for phase, n in sorted(phases.items())) + ".")
     return "\n".join(lines)
+
+
+def not_running(pods: list[dict], p) -> list[str]:
+    """A line for each pod that cannot start or run, with the cluster's reason."""
+    lines = []
+    for pod in pods:
+        if pod.get("unschedulable") is not None and pod["phase"] == "Pending":
+            said = p(pod["unschedulable"], 500).rstrip(".")
+            lines.append(f"Not running: pod {p(pod['name'])} is not scheduled: {said}.")
+        for container, init, reason, message, image, last in pod.get("waiting", []):
+            what = f"{'init container' if init else 'container'} {p(container)}"
+            if reason in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"):
+                text = f"its image {p(image)} cannot be pulled ({p(reason)}: {p(message, 300)})"
+            else:
+                tail = [line for line in (last or "").splitlines() if line.strip()][-1:]
+                text = f"waits: {p(reason)}" + (f" ({p(message, 300)})" if message else "") + (
+                    f"; its last run ended: {p(tail[0], 300)}" if tail else "")
+            lines.append(f"Not running: pod {p(pod['name'])}, {what}: {text}.")
+    return lines
 
 
 def api(context: str | None):

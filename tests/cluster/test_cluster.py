@@ -344,6 +344,26 @@ def test_make_plan_says_whether_the_job_fits_this_clusters_nodes():
     print("\n".join(lines))
 
 
+def test_make_why_says_why_a_pod_does_not_start(namespace):
+    """Workers that ask for more CPU than the node has, and a launcher whose image cannot be pulled (no config check:
+    it runs in that image): `make why` gives each pod's line with the cluster's reason."""
+    missing = {"repository": "localhost/no-such-image", "tag": "1", "pullPolicy": "IfNotPresent"}
+    install(namespace, steps=10, image=missing, worker={"resources": {"requests": {"cpu": "3"}}},
+            configCheck={"enabled": False})
+
+    def said() -> str | None:
+        text = make_why(namespace, "ssh")[0]
+        return text if "cannot be pulled" in text and "is not scheduled" in text else None
+
+    text = wait_for(said, 180, "make why to say why the pods do not start",
+                    lambda: kubectl("get", "pods", "-o", "wide", namespace=namespace, check=False))
+    assert re.search(rf"Not running: pod {WORKERS}-\d is not scheduled: 0/1 nodes are available: 1 Insufficient cpu",
+                     text), text
+    assert re.search(rf"Not running: pod {LAUNCHER}-\S+, container launcher: its image localhost/no-such-image:1 "
+                     r"cannot be pulled \((ErrImagePull|ImagePullBackOff): ", text), text
+    print(f"\nmake why:\n{text}")
+
+
 # The longest tests first: the tier runs two at a time (scripts/test-cluster.sh), and a long one that starts
 # last would run alone at the end.
 
