@@ -367,6 +367,29 @@ def test_five_preemptions_spend_nothing_and_stop_nothing(tmp_path):
     assert ledger(tmp_path).begin().line == "attempt 6 (0 of 3 failures used, 5 preemptions)"
 
 
+def test_preemptions_past_their_own_budget_stop_the_job_whoever_wrote_the_marks(tmp_path):
+    """job.preemptionRetries 3: a program that writes the preemption mark into its own attempt's directory (it can
+    reach it) gets three free retries, not endless ones; a fix (a later Job) counts afresh. The legitimate case
+    beside it: three real preemptions run the fourth attempt."""
+    budget = {"DS_PREEMPTION_RETRIES": "3"}
+    for _ in range(3):
+        book = ledger(tmp_path, **budget)
+        attempt = book.begin()
+        (tmp_path / "attempts" / "job-1" / book.name(attempt.number) / "stopped-by-the-program").write_text("x")
+        book.end(attempt.number, 143, [host(name="w-0", run_id=attempt.env["DS_RUN_ID"])])
+    book = ledger(tmp_path, **budget)
+    fourth = book.begin()
+    assert fourth.line == "attempt 4 (0 of 3 failures used, 3 preemptions)"
+    book.mark_stopped(fourth.number, "w-0")  # a real one this time: the budget counts it all the same
+    book.end(fourth.number, 143, [host(name="w-0", run_id=fourth.env["DS_RUN_ID"])])
+    stopped = ledger(tmp_path, **budget).begin()
+    assert isinstance(stopped, Stopped), stopped
+    assert "4 preemptions, job.preemptionRetries=3 allows 3: not retried" in stopped.line, stopped.line
+    assert verdict(tmp_path)["cause"] == "preemption-budget-spent"
+    (tmp_path / "ranks" / protocol.JOB_ID_FILE).write_text("job-1\n")
+    assert isinstance(ledger(tmp_path, DS_JOB_UID="job-revision-2", **budget).begin(), Began)
+
+
 def test_a_program_that_reports_no_steps_is_stopped_by_its_budget_not_by_no_progress(tmp_path):
     for _ in range(4):
         end_attempt(tmp_path, 1)

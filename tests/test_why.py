@@ -84,6 +84,14 @@ def test_a_sidecar_stopped_at_its_pods_end_is_no_deletion_and_the_main_container
     assert found["cause"] == "pod-deleted" and "demo-launcher-x" in found["text"]
 
 
+def test_a_preemption_the_cluster_shows_no_reason_for_is_said_so():
+    """A SIGTERM's cause is the cluster's to show (an eviction, a deletion); one it shows nothing for is said so:
+    a stop that came from elsewhere, or the program's own preemption mark."""
+    observed = {"progress": progress([{"attempt": 1, "cause": "preempted", "step": 40, "seconds": 30, "ended": T}]),
+                "pods": [pod("w-0")], "events": [], "jobs": []}
+    assert "1 preempted at step 40, 30s (nothing the cluster kept shows why)" in why.why_text(RELEASE, observed)
+
+
 def test_an_attempt_keeps_the_pods_cause_without_cluster_evidence_near_its_end():
     entries = [{"attempt": 1, "cause": "program-error", "ended": T}]
     far = [{"time": T - 5000, "cause": "oom-killed", "text": "long before"}]

@@ -148,7 +148,8 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
         f"  deepspeed   preset {r.settings['deepspeed']['preset']}: ZeRO stage {zero.get('stage', 0)}, {precision}, "
         f"optimizer offload {offload}",
         f"  launch      {LAUNCH_MODES[r.effective['launchMode']]}, a failure budget of "
-        f"{r.effective['job']['runRetries']} failed runs per job, retried in the pods (preemptions do not count); "
+        f"{r.effective['job']['runRetries']} failed runs per job, retried in the pods (preemptions do not count: "
+        f"up to {r.effective['job']['preemptionRetries']} of them); "
         f"collective timeout {r.effective['deepspeed']['collectiveTimeoutMinutes']} min",
         "  hangs       " + (f"watchdog in the worker pods: {hang['startupSeconds']} s to a rank's first step, then "
                              f"{hang['stepSeconds']} s (or 10x its step time) per step, {hang['checkpointSeconds']} s "

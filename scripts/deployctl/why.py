@@ -238,6 +238,8 @@ def why_text(release: Release, observed: dict) -> str:
                 text += f", resumed from {RESUMED_FROM[e['resumed']]}"
             if e.get("by"):
                 text += f" (the pods saw {p(e['seen'])}; the cluster: {p(e['by'])})"
+            elif e["cause"] == "preempted":  # a SIGTERM the cluster shows no reason for (or the program's own mark)
+                text += " (nothing the cluster kept shows why)"
             if e.get("culprit") and e["cause"] in ("hang", "collective-timeout", "program-error"):
                 where = stacks_path(release, progress, e["attempt"], e["culprit"])
                 text += f" (culprit {p(e['culprit'])}" + (f"; its stacks: {p(where)} on its host's checkpoint "

@@ -434,6 +434,8 @@ config check's. */}}
   value: {{ .Values.job.runRetries | int | quote }}
 - name: DS_NO_PROGRESS_ATTEMPTS
   value: {{ .Values.job.noProgressAttempts | int | quote }}
+- name: DS_PREEMPTION_RETRIES
+  value: {{ .Values.job.preemptionRetries | int | quote }}
 # The ledger (podruntime/ledger.py) keys the job's attempts by the Job's uid without the sidecar's job identity.
 - name: DS_JOB_UID
   valueFrom:

@@ -32,6 +32,8 @@ CAUSES = {
     "budget-spent": ("the ledger", "more failed attempts than job.runRetries", "stops the job"),
     "no-progress": ("the ledger", "job.noProgressAttempts failed attempts in a row without a new step",
                     "stops the job"),
+    "preemption-budget-spent": ("the ledger", "more preemptions than job.preemptionRetries: stops that keep coming, "
+                                "or a program that writes the preemption mark itself", "stops the job"),
     "oom-killed": ("the ledger's owner (a host's memory cgroup counted an OOM kill), make why (a container "
                    "OOMKilled)", "the memory limit", "yes"),
     "evicted": ("make why (DisruptionTarget, an Evicted pod)", "the eviction API or node pressure", "never"),

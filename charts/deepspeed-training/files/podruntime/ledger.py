@@ -108,6 +108,7 @@ class Ledger:
         self.tree = self.root.subtree(self.job)
         self.budget = _int(env, "DS_RUN_RETRIES", 0)
         self.no_progress = _int(env, "DS_NO_PROGRESS_ATTEMPTS", 2)  # 0 turns the rule off
+        self.preemption_budget = _int(env, "DS_PREEMPTION_RETRIES", 0)  # 0 (a chart before it): no bound
         self.job_uid = env.get("DS_JOB_UID", "")
         state = env.get(protocol.STATE_DIR_ENV)
         self.state = Tree(state) if state else None
@@ -377,4 +378,16 @@ def no_progress(ledger: Ledger) -> tuple[str, str] | None:
                            f"{reached}: not retried (stop rule: job.noProgressAttempts={rule})")
 
 
-STOP_RULES: tuple[Callable[[Ledger], tuple[str, str] | None], ...] = (same_error_twice, no_progress)
+def preemptions_spent(ledger: Ledger) -> tuple[str, str] | None:
+    """More preemptions than job.preemptionRetries since the budget counts: whatever the program writes (the
+    preemption mark is a file in the attempt's directory, which its ranks may reach), the retries end."""
+    _, _, preemptions = ledger.tally()
+    if not ledger.preemption_budget or preemptions <= ledger.preemption_budget:
+        return None
+    return "preemption-budget-spent", (
+        f"{preemptions} preemptions, job.preemptionRetries={ledger.preemption_budget} allows "
+        f"{ledger.preemption_budget}: not retried (`make why` says which of them the cluster saw)")
+
+
+STOP_RULES: tuple[Callable[[Ledger], tuple[str, str] | None], ...] = (same_error_twice, no_progress,
+                                                                      preemptions_spent)
