@@ -51,7 +51,10 @@ def command(tmp_path: Path, port: int) -> list[str]:
 
 
 def env_of(tmp_path: Path, run: str, die: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key != "PYTEST_CURRENT_TEST"}  # names the phase
+    # PYTEST_CURRENT_TEST names the phase; what importing DeepSpeed set in this process is left out, so that the
+    # ranks have it only if their launcher gives it to them.
+    env = {key: value for key, value in os.environ.items()
+           if key != "PYTEST_CURRENT_TEST" and key not in rankstart.IMPORT_ENV}
     return {**env, "DS_RANK_STATE_DIR": str(tmp_path / "state"), "DS_RUN_ID": run, "DIE": die, "HOME": str(tmp_path)}
 
 
@@ -121,6 +124,31 @@ def test_the_starter_passes_a_ranks_status_on_and_ends_its_ranks_on_sigterm(deep
     assert not os.path.exists(f"/proc/{seen(tmp_path, run, 0)['pid']}")
 
 
+def test_a_starter_whose_records_no_longer_agree_hands_the_run_to_deepspeeds_runner(deepspeeds_run):
+    """The records changed between the loop's look and the starter's (a rank rewrote them): the starter execs
+    DeepSpeed's runner with the same command, as a first run, and the run's status is DeepSpeed's."""
+    tmp_path, argv, _, _ = deepspeeds_run
+    ours = subprocess.run(AS_POD_USER + pod_program(rankstart.PROGRAM, "run-never", *argv),
+                          env=env_of(tmp_path, "run-handover", "exit:7"), timeout=300, capture_output=True)
+    out = ours.stdout.decode(errors="replace")
+    assert ours.returncode == 7, out[-3000:]
+    assert "DeepSpeed's runner starts the ranks (local rank 0's record is of no run this pod ran)" in out, out[-3000:]
+    assert "deepspeed.launcher.launch" in out  # the runner's own line: `cmd = ... -m deepspeed.launcher.launch ...`
+
+
+def test_what_importing_deepspeed_sets_is_replayed_as_the_launcher_gave_it():
+    """deepspeed/__init__.py's os.environ.setdefault keys: its runner and launcher import it, so their ranks
+    inherit them; the starter replays exactly those (rankstart.IMPORT_ENV)."""
+    import ast
+
+    import deepspeed
+
+    source = Path(deepspeed.__file__).read_text()
+    keys = {call.args[0].value for call in ast.walk(ast.parse(source)) if isinstance(call, ast.Call)
+            and getattr(call.func, "attr", "") == "setdefault" and ast.unparse(call.func.value) == "os.environ"}
+    assert keys == set(rankstart.IMPORT_ENV)
+
+
 # ---- the records as hostile input: each disagreement is refused, with what the loop would start otherwise
 
 
@@ -130,7 +158,8 @@ def records(tmp_path: Path, deepspeed: list[str], **change) -> Tree:
     state.mkdir(exist_ok=True)
     for local in (0, 1):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": deepspeed[5].split("=")[1], "WORLD_SIZE": "2",
-               "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": "2", "RANK": str(local), "LOCAL_RANK": str(local)}
+               "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": "2", "RANK": str(local), "LOCAL_RANK": str(local),
+               "CUDA_VISIBLE_DEVICES": "0,1"}
         argv = [deepspeed[6], f"--local_rank={local}", *deepspeed[7:]]
         rec = {"run": "run-1", "python": sys.executable, "argv": argv, "env": env}
         if local == 1:
@@ -145,7 +174,9 @@ def records(tmp_path: Path, deepspeed: list[str], **change) -> Tree:
 
 HOSTILE = {
     "the wrong program": ({"argv": ["/tmp/evil.py", "--local_rank=1"]}, "another command line"),
-    "another interpreter": ({"python": "relative/python"}, "names no interpreter"),
+    "another interpreter": ({"python": "/bin/sh"}, "names another interpreter than DeepSpeed's runner's"),
+    "a rank number int() refuses": ({"RANK": "\u00b2"}, "not a number"),
+    "a size int() refuses": ({"LOCAL_SIZE": "\u00b2"}, "not a number"),
     "a variable beside the launcher's": ({"LD_PRELOAD": "/tmp/evil.so"}, "does not hold the launcher's variables"),
     "a rank twice": ({"RANK": "0"}, "RANK 0 twice"),
     "a rank outside the world": ({"RANK": "9"}, "outside the world"),

@@ -38,6 +38,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from podruntime.ranks import is_launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = ROOT / ".venv" / "bin"
 
@@ -509,15 +511,16 @@ class Cluster:
         return states
 
     def rank_pids(self, pod: Pod, ranks_only: bool = False) -> list[int]:
-        """The pod's DeepSpeed processes: deepspeed.launcher.launch and the ranks it started (ranks_only: the
-        ranks, the processes a test kills to make one fail)."""
+        """The pod's DeepSpeed processes: its launchers (deepspeed.launcher.launch, or the loop's starter on a
+        nossh retry) and the ranks they started (ranks_only: the ranks, the processes a test kills to make one
+        fail)."""
         pids = []
         for pid in self.pids(pod):
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "--local_rank=" in cmdline or ("deepspeed.launcher.launch" in cmdline and not ranks_only):
+            if any(word.startswith("--local_rank=") for word in argv) or (is_launcher(argv) and not ranks_only):
                 pids.append(pid)
         return pids
 

@@ -36,8 +36,19 @@ def pod_program(name: str, *args: str) -> list[str]:
 
 
 def runs_pod_program(argv: list[str], name: str) -> bool:
-    """Whether a process's command line is pod program `name`'s (pod_program's shape)."""
-    return name in argv[1:5] and (argv[3:4] == [name] or argv[4:5] == [name])
+    """Whether a process's command line is pod program `name`'s as pod_program starts it."""
+    return argv[1:2] == ["-I"] and argv[4:5] == [name] and argv[2:3] in (["-S"], ["-m"])
+
+
+def interpreter_of(program: str) -> str | None:
+    """The interpreter a script on PATH (the image's: DeepSpeed's `deepspeed`) runs in, from its first line."""
+    path = shutil.which(program)
+    text = _read(Path(os.path.realpath(path)), 4096) if path else None
+    first = (text or b"").split(b"\n", 1)[0].decode(errors="replace")
+    words = first[2:].split() if first.startswith("#!") else []
+    if words[:1] == ["/usr/bin/env"] and len(words) > 1:
+        words = [shutil.which(words[1]) or ""]
+    return words[0] if words and os.path.isabs(words[0]) else None
 
 
 def program(name: str, fallback: str) -> str:

@@ -21,6 +21,7 @@ without their way out (launch.py looks at its ranks once a second, then both int
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +38,11 @@ from podruntime.text import Log
 # comes through the accelerator's set_visible_devices_envs(), which the cuda and cpu accelerators implement with it.
 LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK",
                 "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+# What importing DeepSpeed sets in its own environment (deepspeed/__init__.py, os.environ.setdefault; a test reads
+# the source): its runner and launcher import it, so every rank they start inherits it; the starter does not.
+IMPORT_ENV = ("PYTORCH_NVML_BASED_CUDA_CHECK",)
+RECORDED_ENV = (*LAUNCHER_ENV, *IMPORT_ENV)
+NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() takes "²", which int() refuses
 LAUNCH_RECORD = "launch-{local_rank}.json"  # in the pod's state directory (protocol.STATE_DIR_ENV)
 RANK_LOG = "rank-log.py"  # the chart's rank program (files/rank-log.py), first word of the program in the command
 PROGRAM = "start-ranks"  # the starter's name as a pod program (cli.py)
@@ -63,11 +69,11 @@ class RankStart:
 def record(state: Tree, argv: list[str], env=os.environ) -> None:
     """rank-log.py's record of what DeepSpeed's launcher gave this rank (nothing when no launcher set LOCAL_RANK)."""
     local_rank = env.get("LOCAL_RANK", "")
-    if not local_rank.isdigit():
+    if not NUMBER.fullmatch(local_rank):
         return
     state.write(LAUNCH_RECORD.format(local_rank=int(local_rank)), json.dumps({
         "run": env.get(protocol.ATTEMPT_ENV["run"], ""), "python": sys.executable, "argv": argv,
-        "env": {key: env[key] for key in LAUNCHER_ENV if key in env}}))
+        "env": {key: env[key] for key in RECORDED_ENV if key in env}}))
 
 
 def split_command(command: list[str]) -> tuple[dict[str, str], list[str]] | str:
@@ -106,12 +112,12 @@ def plan(state: Tree | None, command: list[str], node: int, runs) -> tuple[str, 
     if first is None:
         return "no rank of this pod's last run recorded its start"
     local_size = (first.get("env") or {}).get("LOCAL_SIZE") if isinstance(first.get("env"), dict) else None
-    if not (isinstance(local_size, str) and local_size.isdigit() and 0 < int(local_size) <= 1024):
+    if not (isinstance(local_size, str) and NUMBER.fullmatch(local_size) and 0 < int(local_size) <= 1024):
         return "local rank 0's record has no LOCAL_SIZE"
     starts, ranks, shared = [], set(), None
     for local_rank in range(int(local_size)):
         found = first if local_rank == 0 else state.read_json(LAUNCH_RECORD.format(local_rank=local_rank))
-        why = _disagrees(found, local_rank, node, runner, program, runs)
+        why = _disagrees(found, local_rank, node, runner, program, runs, host.interpreter_of(command[0]))
         if why:
             return f"local rank {local_rank}'s record {why}"
         env = found["env"]
@@ -120,26 +126,26 @@ def plan(state: Tree | None, command: list[str], node: int, runs) -> tuple[str, 
         if shared is not None and same != shared:
             return f"local rank {local_rank}'s record is of another run, interpreter or world than local rank 0's"
         shared = same
-        if not env["RANK"].isdigit() or int(env["RANK"]) >= int(env["WORLD_SIZE"]) or env["RANK"] in ranks:
+        if int(env["RANK"]) >= int(env["WORLD_SIZE"]) or env["RANK"] in ranks:
             return f"local rank {local_rank}'s record has RANK {env['RANK']} twice or outside the world"
         ranks.add(env["RANK"])
         starts.append(RankStart(found["python"], found["argv"], env))
     return shared[0], starts
 
 
-def _disagrees(found, local_rank: int, node: int, runner: dict[str, str], program: list[str], runs) -> str:
+def _disagrees(found, local_rank: int, node: int, runner: dict[str, str], program: list[str], runs,
+               python: str | None) -> str:
     """Why a rank's record is not what DeepSpeed's launcher gives that rank for the loop's command ("" when it is)."""
     if not isinstance(found, dict) or set(found) != {"run", "python", "argv", "env"}:
         return "is missing or not a launch record"
     env = found["env"]
-    if not (isinstance(env, dict) and set(env) <= set(LAUNCHER_ENV) and all(map(_text, env.values()))
-            and set(LAUNCHER_ENV) - {"CUDA_VISIBLE_DEVICES"} <= set(env)):
+    if not (isinstance(env, dict) and set(env) <= set(RECORDED_ENV) and all(map(_text, env.values()))
+            and set(LAUNCHER_ENV) <= set(env)):
         return "does not hold the launcher's variables"
     if not (_text(found["run"]) and found["run"] in runs):
         return "is of no run this pod ran"
-    python = found["python"]
-    if not (_text(python) and os.path.isabs(python) and os.access(python, os.X_OK)):
-        return "names no interpreter"
+    if found["python"] != python:
+        return f"names another interpreter than DeepSpeed's runner's ({python or 'unknown'})"
     local = [] if "--no_local_rank" in runner else [f"--local_rank={local_rank}"]
     if found["argv"] != [program[0], *local, *program[1:]]:
         return "has another command line than the loop's"
@@ -148,7 +154,7 @@ def _disagrees(found, local_rank: int, node: int, runner: dict[str, str], progra
     for key, value in expected.items():
         if value is not None and env.get(key) != value:
             return f"has {key}={env.get(key)} where the loop's command means {value}"
-    if not all(env[key].isdigit() for key in ("WORLD_SIZE", "CROSS_SIZE", "LOCAL_SIZE", "RANK")):
+    if not all(NUMBER.fullmatch(env[key]) for key in ("WORLD_SIZE", "CROSS_SIZE", "LOCAL_SIZE", "RANK")):
         return "has a size or rank that is not a number"
     return ""
 
@@ -172,32 +178,36 @@ def end_trees(pids: list[int]) -> None:
 
 
 def supervise(starts: list[RankStart], base_env, log: Log) -> int:
-    """Starts every rank and waits for them as launch.py does; its exit status."""
-    processes = [subprocess.Popen(start.command(), env={**base_env, **start.env}) for start in starts]
+    """Starts every rank and waits for them as launch.py does; its exit status. The signal handler only says a stop
+    came (it may interrupt a wait on a rank, whose lock is not re-entrant); this loop ends the ranks."""
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.append(signum))
+    processes = []
+    for start in starts:
+        if stop:
+            break
+        processes.append(subprocess.Popen(start.command(), env={**base_env, **start.env}))
     log(f"started ranks {' '.join(s.env['RANK'] for s in starts)} (pids {' '.join(str(p.pid) for p in processes)})")
-    failed: list[int] = []  # the status of the first rank that ended with one, launch.py's last_return_code
-
-    def end_all(signum=None, frame=None):
-        end_trees([p.pid for p in processes if p.poll() is None])
-        for p in processes:
-            p.wait()
-        sys.exit(failed[0] % 256 if failed else 1)  # a signal N's death is 256 - N, as launch.py's sys.exit says it
-
-    signal.signal(signal.SIGTERM, end_all)
-    signal.signal(signal.SIGINT, end_all)
+    failed = None  # the status of the first rank that ended with one, launch.py's last_return_code
     alive = list(processes)
-    while alive:
+    while alive and not stop and failed is None:
         for p in list(alive):
             status = p.poll()
-            if status is None:
-                continue
-            alive.remove(p)
-            if status != 0:
-                failed.append(status)
-                log(f"rank pid {p.pid} exited with status {status}: ending the others")
-                end_all()
-        time.sleep(POLL_S)
-    return 0
+            if status is not None:
+                alive.remove(p)
+                if status != 0:
+                    failed = status
+                    log(f"rank pid {p.pid} exited with status {status}: ending the others")
+                    break
+        else:
+            time.sleep(POLL_S)
+    end_trees([p.pid for p in processes if p.poll() is None])
+    for p in processes:
+        p.wait()
+    if failed is not None:
+        return failed % 256  # launch.py's sys.exit(returncode): a signal N's death is 256 - N
+    return 1 if stop else 0
 
 
 def main(argv: list[str]) -> int:
@@ -207,8 +217,12 @@ def main(argv: list[str]) -> int:
     log = Log(f"start-ranks {host.hostname()}")
     node = next((w.split("=", 1)[1] for w in command if w.startswith("--node_rank=")), "")
     state = os.environ.get(protocol.STATE_DIR_ENV)
-    found = plan(Tree(state) if state else None, command, int(node) if node.isdigit() else -1, {run})
-    if isinstance(found, str):
-        log(f"cannot start the ranks as DeepSpeed's launcher did: {found}")
-        return 1
+    found = plan(Tree(state) if state else None, command, int(node) if NUMBER.fullmatch(node) else -1, {run})
+    if isinstance(found, str):  # changed since the loop read them: DeepSpeed's runner, as on a first run
+        log(f"DeepSpeed's runner starts the ranks ({found})")
+        try:
+            os.execvp(command[0], command)
+        except OSError as err:
+            log(f"cannot start {command[0]}: {err.strerror}")
+            return 127
     return supervise(found[1], os.environ, log)
