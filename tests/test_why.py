@@ -376,9 +376,14 @@ def test_a_pod_that_cannot_start_is_said_with_the_clusters_reason():
             return k.V1JobList(items=[])
 
     text = why.why_text(RELEASE, why.read(Core(), Batch(), RELEASE))
-    assert "Not running: pod demo-w-1 is not scheduled: 0/1 nodes are available: 1 Insufficient cpu." in text, text
-    assert "Not running: pod demo-w-0, container worker: its image localhost/nope:1 cannot be pulled " \
+    assert "Not running: pod demo-w-1: not scheduled: 0/1 nodes are available: 1 Insufficient cpu." in text, text
+    assert "Not running: pod demo-w-0: container worker: its image localhost/nope:1 cannot be pulled " \
            "(ImagePullBackOff: Back-off pulling image" in text, text
-    assert "Not running: pod demo-w-2, init container restore: waits: CrashLoopBackOff (back-off 20s restarting " \
+    assert "Not running: pod demo-w-2: init container restore: waits: CrashLoopBackOff (back-off 20s restarting " \
            "failed container); its last run ended: ERROR: the bucket refused the keys (InvalidAccessKeyId)." in text
     assert "demo-launcher" not in text.split("Pods:")[0], text
+    # A hundred workers the scheduler cannot place are one line.
+    many = [{"name": f"demo-w-{i}", "phase": "Pending", "unschedulable": "0/1 nodes are available."}
+            for i in range(100)]
+    assert why.not_running(many, lambda value, limit=400: value) == [
+        "Not running: pods demo-w-0, demo-w-1, demo-w-2 and 97 more: not scheduled: 0/1 nodes are available."]

@@ -121,17 +121,22 @@ def _tolerates(tolerations: list[dict], taint: dict) -> bool:
     return False
 
 
+ONE_POD = {"pods": Decimal(1)}  # a node's allocatable `pods`: every pod takes one
+
+
 def _can_host(node: Node, group: PodGroup) -> bool:
     if any(node.labels.get(k) != v for k, v in group.node_selector.items()):
         return False
     blocking = [t for t in node.taints if t.get("effect") in ("NoSchedule", "NoExecute")]
     if not all(_tolerates(group.tolerations, t) for t in blocking):
         return False
-    return all(node.free.get(k, Decimal(0)) >= v for k, v in group.requests.items() if v)
+    asked = _add(group.requests, ONE_POD)
+    return all(node.free.get(k, Decimal(0)) >= v for k, v in asked.items() if v and (k != "pods" or k in node.free))
 
 
 def fits(groups: list[PodGroup], nodes: list[Node]) -> str | None:
-    """None when every pod of the job finds a node at once (first fit, largest pods first), else why not."""
+    """None when every pod of the job finds a node at once by first fit, largest pods first, else why not (a
+    first-fit "no" can miss a packing that exists: said in the plan's line)."""
     free = [Node(n.name, dict(n.free), n.labels, n.taints) for n in nodes]
     pods = sorted(((g, i) for g in groups for i in range(g.count)), key=lambda p: -sum(p[0].requests.values()))
     for placed, (group, index) in enumerate(pods):
@@ -139,7 +144,7 @@ def fits(groups: list[PodGroup], nodes: list[Node]) -> str | None:
         if host is None:
             return (f"{group.component} pod {index + 1} of {group.count} ({show(group.requests)}) finds no node "
                     f"after {placed} other pod{'s' if placed != 1 else ''}")
-        host.free = {k: v - group.requests.get(k, Decimal(0)) for k, v in host.free.items()}
+        host.free = {k: v - _add(group.requests, ONE_POD).get(k, Decimal(0)) for k, v in host.free.items()}
     return None
 
 
@@ -161,7 +166,8 @@ def nodes_of(core, running: bool) -> list[Node]:
             node = by_name.get(pod.spec.node_name or "")
             if node is not None:
                 spec = core.api_client.sanitize_for_serialization(pod.spec)
-                node.free = {k: v - pod_requests(spec).get(k, Decimal(0)) for k, v in node.free.items()}
+                used = _add(pod_requests(spec), ONE_POD)
+                node.free = {k: v - used.get(k, Decimal(0)) for k, v in node.free.items()}
     return nodes
 
 
@@ -178,7 +184,8 @@ def fit_lines(groups: list[PodGroup], context: str | None) -> list[str]:
     if not empty:
         return ["  fits        on empty nodes: no: the cluster has no schedulable node"]
     lines = [f"  fits        on empty nodes: {_verdict(fits(groups, empty))} ({len(empty)} schedulable "
-             f"node{'s' if len(empty) != 1 else ''}; node affinity and topology not judged)"]
+             f"node{'s' if len(empty) != 1 else ''}, first fit, largest pods first; node affinity and topology not "
+             "judged)"]
     try:
         lines.append(f"  fits        now: {_verdict(fits(groups, nodes_of(core, running=True)))}")
     except Exception as err:  # noqa: BLE001

@@ -278,22 +278,30 @@ def why_text(release: Release, observed: dict) -> str:
     return "\n".join(lines)
 
 
+NOT_RUNNING_SHOWN = 3  # pods named per reason; the rest are counted
+
+
 def not_running(pods: list[dict], p) -> list[str]:
-    """A line for each pod that cannot start or run, with the cluster's reason."""
-    lines = []
+    """A line for each reason a pod cannot start or run, with the cluster's words, naming its pods (a hundred
+    unschedulable workers are one line)."""
+    said: dict[str, list[str]] = {}
     for pod in pods:
         if pod.get("unschedulable") is not None and pod["phase"] == "Pending":
-            said = p(pod["unschedulable"], 500).rstrip(".")
-            lines.append(f"Not running: pod {p(pod['name'])} is not scheduled: {said}.")
+            said.setdefault(f"not scheduled: {p(pod['unschedulable'], 500).rstrip('.')}", []).append(pod["name"])
         for container, init, reason, message, image, last in pod.get("waiting", []):
             what = f"{'init container' if init else 'container'} {p(container)}"
             if reason in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"):
-                text = f"its image {p(image)} cannot be pulled ({p(reason)}: {p(message, 300)})"
+                text = f"{what}: its image {p(image)} cannot be pulled ({p(reason)}: {p(message, 300)})"
             else:
                 tail = [line for line in (last or "").splitlines() if line.strip()][-1:]
-                text = f"waits: {p(reason)}" + (f" ({p(message, 300)})" if message else "") + (
+                text = f"{what}: waits: {p(reason)}" + (f" ({p(message, 300)})" if message else "") + (
                     f"; its last run ended: {p(tail[0], 300)}" if tail else "")
-            lines.append(f"Not running: pod {p(pod['name'])}, {what}: {text}.")
+            said.setdefault(text, []).append(pod["name"])
+    lines = []
+    for text, names in said.items():
+        shown = ", ".join(p(name) for name in names[:NOT_RUNNING_SHOWN])
+        more = f" and {len(names) - NOT_RUNNING_SHOWN} more" if len(names) > NOT_RUNNING_SHOWN else ""
+        lines.append(f"Not running: pod{'s' if len(names) > 1 else ''} {shown}{more}: {text}.")
     return lines
 
 
