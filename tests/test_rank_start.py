@@ -179,6 +179,7 @@ HOSTILE = {
     "a size int() refuses": ({"LOCAL_SIZE": "\u00b2"}, "not a number"),
     "a variable beside the launcher's": ({"LD_PRELOAD": "/tmp/evil.so"}, "does not hold the launcher's variables"),
     "a rank twice": ({"RANK": "0"}, "RANK 0 twice"),
+    "a rank twice, written otherwise": ({"RANK": "00"}, "RANK 00 twice"),
     "a rank outside the world": ({"RANK": "9"}, "outside the world"),
     "another master port": ({"MASTER_PORT": "1"}, "has MASTER_PORT=1"),
     "another node": ({"CROSS_RANK": "3"}, "has CROSS_RANK=3"),

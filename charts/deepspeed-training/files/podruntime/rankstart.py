@@ -126,9 +126,9 @@ def plan(state: Tree | None, command: list[str], node: int, runs) -> tuple[str, 
         if shared is not None and same != shared:
             return f"local rank {local_rank}'s record is of another run, interpreter or world than local rank 0's"
         shared = same
-        if int(env["RANK"]) >= int(env["WORLD_SIZE"]) or env["RANK"] in ranks:
+        if int(env["RANK"]) >= int(env["WORLD_SIZE"]) or int(env["RANK"]) in ranks:
             return f"local rank {local_rank}'s record has RANK {env['RANK']} twice or outside the world"
-        ranks.add(env["RANK"])
+        ranks.add(int(env["RANK"]))
         starts.append(RankStart(found["python"], found["argv"], env))
     return shared[0], starts
 
