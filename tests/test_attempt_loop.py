@@ -67,7 +67,7 @@ class Workers:
 
     started: list["Workers"] = []
 
-    def __init__(self, tmp: Path, retries: int = 2, **fake: str):
+    def __init__(self, tmp: Path, retries: int = 2, only: tuple[int, ...] = (0, 1), **fake: str):
         Workers.started.append(self)
         self.tmp, self.port = tmp, free_port()
         # the chart's ConfigMap as the kubelet mounts it: the hostfile a link through ..data
@@ -76,7 +76,7 @@ class Workers:
         launcher.write_text(f"#!{sys.executable}\n{FAKE_LAUNCHER}")
         launcher.chmod(0o755)
         self.processes = []
-        for index in (0, 1):
+        for index in only:
             state = tmp / f"w{index}" / "ranks"
             state.mkdir(parents=True)
             env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "DS_CONFIG_DIR": str(tmp / "config"),
@@ -122,6 +122,19 @@ def test_the_owner_decides_once_from_every_workers_evidence(tmp_path):
         "ValueError: bad batch on 1" in first["reason"], first
     assert second["cause"] == "completed"
     assert workers.log(0).count("attempts: attempt") == 2
+
+
+def test_while_worker_0_waits_at_the_start_barrier_the_verdict_says_for_whom_and_how_long_yet(tmp_path):
+    """What the progress ConfigMap and `make why` show while a worker is missing: the barrier's wait, not a silent
+    `starting`."""
+    workers = Workers(tmp_path, only=(0,))
+    verdict = tmp_path / "w0" / "ranks" / protocol.VERDICT
+    wait_for(lambda: verdict.exists() and "waits for" in workers.verdict().get("reason", ""), 60,
+             "the verdict to say the barrier's wait", lambda: workers.log(0)[-2000:])
+    reason = workers.verdict()["reason"]
+    assert re.fullmatch(r"the start barrier waits for 1 of 2 workers \(localhost\): \d+s more, then the job fails "
+                        r"\(job\.waitTimeoutSeconds\)", reason), reason
+    assert workers.verdict()["state"] == "starting"
 
 
 def test_a_worker_whose_run_ended_well_may_leave_before_worker_0s_ends(tmp_path):

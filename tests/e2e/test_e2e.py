@@ -57,12 +57,24 @@ def test_the_launcher_fails_within_its_deadline_naming_the_missing_worker(shared
         cluster.start_workers(1)
         launcher = cluster.pods_of("launcher")[0]
         started = time.monotonic()
-        code = wait(cluster.start(launcher), timeout=60)
+        process = cluster.start(launcher)
+        # While it waits, where the job stands says for whom and how long yet (the progress ConfigMap, `make why`).
+        verdict, said = cluster.rank_state_dir(launcher) / protocol.VERDICT, set()
+        while process.poll() is None and time.monotonic() - started < 60:
+            try:
+                said.add(json.loads(verdict.read_text()).get("reason", ""))
+            except (OSError, ValueError):  # not written yet
+                pass
+            time.sleep(0.05)
+        code = wait(process, timeout=60)
         elapsed = time.monotonic() - started
         assert code == 1
-        missing = cluster.pods_of("worker")[1].fqdn
-        assert f"wait-for-workers:   {missing}: SSH failed" in launcher.log()
+        missing = cluster.pods_of("worker")[1]
+        assert f"wait-for-workers:   {missing.fqdn}: SSH failed" in launcher.log()
         assert elapsed < 5 + 15
+        assert any(re.fullmatch(rf"the launcher waits for 1 of 2 workers \({re.escape(missing.fqdn)}; "
+                                rf"{re.escape(missing.fqdn.split('.')[0])}: SSH failed.*\): \d+s more, then the job "
+                                r"fails \(job\.waitTimeoutSeconds\)", reason, re.S) for reason in said), said
 
 
 def test_a_killed_rank_fails_the_run_within_the_timeout_and_a_spent_budget_fails_the_job(shared_dir):

@@ -60,8 +60,9 @@ class Meeting:
     """The launcher's wait for its workers (see the module's docstring)."""
 
     def __init__(self, hosts: list[str], timeout: float, interval: float, then: str, env=os.environ,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, waiting=None):
         self.hosts, self.timeout, self.interval, self.then = hosts, timeout, interval, then
+        self.waiting = waiting  # said (one line) with each wait's log line: where the job stands
         self.stop = stop or threading.Event()  # set: the meeting ends at once (a SIGTERM)
         self.template = env.get("DS_WORKER_TEMPLATE", "")
         self.parallel = int(env.get("DS_WAIT_PARALLEL", "32") or 32)
@@ -122,6 +123,10 @@ class Meeting:
                     shown = " ".join(pending[:5]) + (f" ... (+{len(pending) - 5} more)" if len(pending) > 5 else "")
                     self.log(f"{total - len(pending)}/{total} ready; waiting for: {shown} "
                              f"({self.timeout - elapsed:.0f}s left)")
+                    if self.waiting is not None:  # who, why the first of them is not ready, how long yet
+                        self.waiting(f"the launcher waits for {len(pending)} of {total} workers ({shown}; "
+                                     f"{pending[0].split('.')[0]}: {results[pending[0]][0]}): "
+                                     f"{self.timeout - elapsed:.0f}s more, then the job fails (job.waitTimeoutSeconds)")
                     last_count, next_log = len(pending), time.monotonic() + LOG_EVERY_S
                 self.stop.wait(FIRST_PAUSES[round_] if round_ < len(FIRST_PAUSES) else self.interval)
                 round_ += 1
@@ -182,7 +187,8 @@ class Launcher:
         self.current = began
         Log("attempts")(began.line)
         timeout = float(self.env.get("DS_WAIT_TIMEOUT_SECONDS", "300") or 300)
-        status = Meeting(self.hosts, timeout, 1.0, STOP_RANKS, self.env, self.stopped).run()
+        status = Meeting(self.hosts, timeout, 1.0, STOP_RANKS, self.env, self.stopped,
+                         waiting=lambda reason: self.ledger.say("starting", reason)).run()
         if status != 0:
             self.ledger.end(began.number, status, [])
             return status
