@@ -243,6 +243,32 @@ def test_the_read_only_commands_never_import_deepspeed(command):
     assert result.stdout.strip().splitlines()[-1] == "0 False", result.stdout + result.stderr
 
 
+def api_of(data: dict, pods: list, events: list = (), jobs: list = (), release: str = RELEASE.name):
+    """(CoreV1Api, BatchV1Api) as why.read calls them, answering with the client's own API models; the label
+    selector must be the release's."""
+    from kubernetes import client as k
+
+    selector = f"app.kubernetes.io/instance={release}"
+
+    class Core:
+        def read_namespaced_config_map(self, name, namespace):
+            return k.V1ConfigMap(data=data)
+
+        def list_namespaced_pod(self, namespace, label_selector):
+            assert label_selector == selector
+            return k.V1PodList(items=list(pods))
+
+        def list_namespaced_event(self, namespace):
+            return k.CoreV1EventList(items=list(events))
+
+    class Batch:
+        def list_namespaced_job(self, namespace, label_selector):
+            assert label_selector == selector
+            return k.V1JobList(items=list(jobs))
+
+    return Core(), Batch()
+
+
 def test_a_device_its_plugin_calls_unhealthy_explains_the_newest_attempts_hang():
     """Kubernetes 1.36 reports device health per container (allocatedResourcesStatus). This machine has no device:
     the API objects are the client's own models, as the API server returns them, read by why.read."""
@@ -261,21 +287,7 @@ def test_a_device_its_plugin_calls_unhealthy_explains_the_newest_attempts_hang()
     attempts = [{"attempt": 1, "cause": "hang", "step": 40, "ended": T - 3000, "culprit": "rank 1 on w-1"},
                 {"attempt": 2, "cause": "hang", "step": 98, "ended": T - 600, "culprit": "rank 1 on w-1"}]
 
-    class Core:
-        def read_namespaced_config_map(self, name, namespace):
-            return k.V1ConfigMap(data=progress(attempts))
-
-        def list_namespaced_pod(self, namespace, label_selector):
-            return k.V1PodList(items=[sick])
-
-        def list_namespaced_event(self, namespace):
-            return k.CoreV1EventList(items=[])
-
-    class Batch:
-        def list_namespaced_job(self, namespace, label_selector):
-            return k.V1JobList(items=[])
-
-    text = why.why_text(RELEASE, why.read(Core(), Batch(), RELEASE))
+    text = why.why_text(RELEASE, why.read(*api_of(progress(attempts), [sick]), RELEASE))
     assert "2 device-unhealthy at step 98 (the pods saw hang; the cluster: pod demo-w-1, container worker: " \
            "nvidia.com/gpu GPU-7f3a Unhealthy (XID 79: fell off the bus))" in text, text
     assert "1 hang at step 40" in text and "GPU-0c21" not in text, text  # the device's health now: the newest only
@@ -311,24 +323,9 @@ def test_make_why_takes_the_events_of_its_own_releases_objects_never_a_neighbour
               event("llama-deepspeed-training-worker", reason="SuccessfulCreate"),  # its StatefulSet
               event("llama-deepspeed-training-launcher-1-qq7rt", reason="Started")]  # a Job of an earlier revision
 
-    class Core:
-        def read_namespaced_config_map(self, name, namespace):
-            return k.V1ConfigMap(data={})
-
-        def list_namespaced_pod(self, namespace, label_selector):
-            assert label_selector == "app.kubernetes.io/instance=llama"
-            return k.V1PodList(items=[live])
-
-        def list_namespaced_event(self, namespace):
-            return k.CoreV1EventList(items=events)
-
-    class Batch:
-        def list_namespaced_job(self, namespace, label_selector):
-            assert label_selector == "app.kubernetes.io/instance=llama"
-            return k.V1JobList(items=[k.V1Job(metadata=k.V1ObjectMeta(name="llama-deepspeed-training-launcher-1",
-                                                                       uid="uid-job"), status=k.V1JobStatus())])
-
-    seen = [e["object"] for e in why.read(Core(), Batch(), llama)["events"]]
+    job = k.V1Job(metadata=k.V1ObjectMeta(name="llama-deepspeed-training-launcher-1", uid="uid-job"),
+                  status=k.V1JobStatus())
+    seen = [e["object"] for e in why.read(*api_of({}, [live], events, [job], release="llama"), llama)["events"]]
     assert seen == ["llama-deepspeed-training-worker-1", "renamed-by-nobody",
                     "llama-deepspeed-training-config-check-x7k2q", "llama-deepspeed-training-launcher-0-ab12c",
                     "llama-deepspeed-training-worker", "llama-deepspeed-training-launcher-1-qq7rt"], seen
@@ -361,21 +358,8 @@ def test_a_pod_that_cannot_start_is_said_with_the_clusters_reason():
                                           "ERROR: the bucket refused the keys (InvalidAccessKeyId)\n"))])
     running = pod_of("demo-launcher", "Running", statuses=[status("launcher")])
 
-    class Core:
-        def read_namespaced_config_map(self, name, namespace):
-            return k.V1ConfigMap(data={"state": "starting"})
-
-        def list_namespaced_pod(self, namespace, label_selector):
-            return k.V1PodList(items=[unscheduled, no_image, restore, running])
-
-        def list_namespaced_event(self, namespace):
-            return k.CoreV1EventList(items=[])
-
-    class Batch:
-        def list_namespaced_job(self, namespace, label_selector):
-            return k.V1JobList(items=[])
-
-    text = why.why_text(RELEASE, why.read(Core(), Batch(), RELEASE))
+    api = api_of({"state": "starting"}, [unscheduled, no_image, restore, running])
+    text = why.why_text(RELEASE, why.read(*api, RELEASE))
     assert "Not running: pod demo-w-1: not scheduled: 0/1 nodes are available: 1 Insufficient cpu." in text, text
     assert "Not running: pod demo-w-0: container worker: its image localhost/nope:1 cannot be pulled " \
            "(ImagePullBackOff: Back-off pulling image" in text, text

@@ -124,13 +124,12 @@ def _tolerates(tolerations: list[dict], taint: dict) -> bool:
 ONE_POD = {"pods": Decimal(1)}  # a node's allocatable `pods`: every pod takes one
 
 
-def _can_host(node: Node, group: PodGroup) -> bool:
+def _can_host(node: Node, group: PodGroup, asked: dict[str, Decimal]) -> bool:
     if any(node.labels.get(k) != v for k, v in group.node_selector.items()):
         return False
     blocking = [t for t in node.taints if t.get("effect") in ("NoSchedule", "NoExecute")]
     if not all(_tolerates(group.tolerations, t) for t in blocking):
         return False
-    asked = _add(group.requests, ONE_POD)
     return all(node.free.get(k, Decimal(0)) >= v for k, v in asked.items() if v and (k != "pods" or k in node.free))
 
 
@@ -140,11 +139,12 @@ def fits(groups: list[PodGroup], nodes: list[Node]) -> str | None:
     free = [Node(n.name, dict(n.free), n.labels, n.taints) for n in nodes]
     pods = sorted(((g, i) for g in groups for i in range(g.count)), key=lambda p: -sum(p[0].requests.values()))
     for placed, (group, index) in enumerate(pods):
-        host = next((n for n in free if _can_host(n, group)), None)
+        asked = _add(group.requests, ONE_POD)
+        host = next((n for n in free if _can_host(n, group, asked)), None)
         if host is None:
             return (f"{group.component} pod {index + 1} of {group.count} ({show(group.requests)}) finds no node "
                     f"after {placed} other pod{'s' if placed != 1 else ''}")
-        host.free = {k: v - _add(group.requests, ONE_POD).get(k, Decimal(0)) for k, v in host.free.items()}
+        host.free = {k: v - asked.get(k, Decimal(0)) for k, v in host.free.items()}
     return None
 
 

@@ -202,13 +202,18 @@ def check_scalars(values, origin: dict, path: tuple = ()) -> None:
         raise DeployError(f"{source_of(origin, path)}: {dotted(path)}: {problem}")
 
 
+def other_projects(project: str) -> list[str]:
+    """Every project of values/projects/ but `project`, by name."""
+    return sorted(p.name for p in (common.VALUES / "projects").iterdir() if p.is_dir() and p.name != project)
+
+
 def check_release_is_unique(settings: dict, origin: dict, env: str, project: str | None) -> None:
     """Two projects with one release name would replace each other's running job. (Two whose objects share names
     in one namespace are refused on their renders: names.check_names_are_unique.)"""
     if not project:
         return
     mine = release_of(settings, project)
-    for other in sorted(p.name for p in (common.VALUES / "projects").iterdir() if p.is_dir() and p.name != project):
+    for other in other_projects(project):
         theirs = release_of(without_nulls(load_layers(env, other)[0]), other)
         if theirs == mine:
             raise DeployError(f"{source_of(origin, ('deploy', 'release'))}: deploy.release {mine!r} is also the "

@@ -8,9 +8,9 @@ import sys
 
 import yaml
 
-from scripts.deployctl import common
 from scripts.deployctl.common import DeployError, source_of
 from scripts.deployctl.helm import helm_template, release_name
+from scripts.deployctl.layers import other_projects
 from scripts.deployctl.render import Rendered, build, write
 
 SHOWN = 3  # object names a refusal lists
@@ -24,10 +24,6 @@ def object_names(manifests: str, namespace: str) -> set[tuple[str, str, str]]:
             meta = doc["metadata"]
             names.add((str(doc.get("kind")), str(meta.get("namespace") or namespace), str(meta.get("name"))))
     return names
-
-
-def other_projects(project: str) -> list[str]:
-    return sorted(p.name for p in (common.VALUES / "projects").iterdir() if p.is_dir() and p.name != project)
 
 
 def check_names_are_unique(r: Rendered, manifests: str) -> None:

@@ -114,10 +114,10 @@ def plan(state: Tree | None, command: list[str], node: int, runs) -> tuple[str, 
     local_size = (first.get("env") or {}).get("LOCAL_SIZE") if isinstance(first.get("env"), dict) else None
     if not (isinstance(local_size, str) and NUMBER.fullmatch(local_size) and 0 < int(local_size) <= 1024):
         return "local rank 0's record has no LOCAL_SIZE"
-    starts, ranks, shared = [], set(), None
+    starts, ranks, shared, python = [], set(), None, host.interpreter_of(command[0])
     for local_rank in range(int(local_size)):
         found = first if local_rank == 0 else state.read_json(LAUNCH_RECORD.format(local_rank=local_rank))
-        why = _disagrees(found, local_rank, node, runner, program, runs, host.interpreter_of(command[0]))
+        why = _disagrees(found, local_rank, node, runner, program, runs, python)
         if why:
             return f"local rank {local_rank}'s record {why}"
         env = found["env"]
