@@ -156,6 +156,27 @@ def test_ssh_the_ledger_names_the_culprit_on_the_second_host_from_every_hosts_re
     assert verdict(tmp_path)["reason"] == reason
 
 
+@pytest.mark.parametrize("reported", ["during", "before", "after"])
+def test_the_next_attempt_learns_the_run_before_and_when_it_was_first_reported_hung(tmp_path, reported):
+    """The ranks' goodput counts time hung up to the first watchdog's report: the next attempt gets it from the
+    ledger (on per-pod volumes the report lies on another pod's). A report dated outside the attempt (the state
+    directory is one a rank can write) is no time."""
+    import time
+    first = began(tmp_path)
+    assert first.env["DS_PREVIOUS_RUN_ID"] == first.env["DS_PREVIOUS_RUN_HUNG_AT"] == ""
+    run_id, begun = first.env["DS_RUN_ID"], float(first.env["DS_ATTEMPT_BEGUN"])
+    at = {"during": time.time(), "before": begun - 600, "after": time.time() + 600}[reported]
+    reports = [protocol.hang_report(name, run_id, t, [protocol.hang_rank(rank, name, kind, t - 9, 200, "training",
+                                                                         "somewhere")])
+               for name, rank, kind, t in (("w-0", 0, "in-collective", at + 1.5), ("w-1", 1, "stopped", at))]
+    cause = ledger(tmp_path).end(first.number, 1, [host(r) for r in reports])
+    assert cause["cause"] == "hang"
+    second = began(tmp_path)
+    assert second.env["DS_PREVIOUS_RUN_ID"] == run_id
+    assert second.env["DS_PREVIOUS_RUN_HUNG_AT"] == (f"{at:.3f}" if reported == "during" else ""), second.env
+    assert began(tmp_path).env["DS_PREVIOUS_RUN_HUNG_AT"] == ""  # the attempt before (no outcome recorded) did not hang
+
+
 def test_an_upgrade_keeps_the_jobs_budget_and_a_reinstall_starts_a_fresh_one(tmp_path):
     """The ledger is keyed by the release's install (the sidecar's job.id: the progress ConfigMap's uid, which an
     upgrade keeps), not by the Job's uid, which every revision's Job has anew."""

@@ -312,34 +312,33 @@ def test_a_layout_the_ranks_cannot_form_is_refused(world, stages, message):
 
 def test_goodput_splits_every_attempt_and_leaves_odd_records_out(tmp_path, monkeypatch):
     """Three attempts as train/main.py records them: the first crashed after step 25 (its last save at 20), the
-    second hung after step 32 (the watchdog's report came 12 s later), the third finished. A hand-edited record
-    and a truncated one are left out, never a crash at the end of a run."""
+    second hung after step 32 (the watchdog's report came 12 s later: the ledger gives the third attempt that time),
+    the third finished. A hand-edited record and a truncated one are left out, never a crash at the end of a run."""
     from train import goodput
     job = tmp_path / "goodput" / "abcd1234"
     job.mkdir(parents=True)
     t0 = 1_000_000.0
 
-    def record(attempt, begun, first, restore, saves, productive, at_step, resumed, last, updated, run):
+    def record(attempt, begun, first, restore, saves, productive, at_step, resumed, last, updated, run, **previous):
         (job / f"{int(begun * 1000):014d}-{attempt:04d}.json").write_text(json.dumps(
             {"begun": begun, "first_step": first, "restore_s": restore, "save_s": saves, "productive_s": productive,
-             "at_step": at_step, "resumed_from": resumed, "last_step": last, "updated": updated, "run": run}))
+             "at_step": at_step, "resumed_from": resumed, "last_step": last, "updated": updated, "run": run,
+             **previous}))
 
     record(1, t0, t0 + 10, 0.0, 1.0, 25.0, {"10": 10.0, "20": 20.0}, 0, 24, t0 + 36, "run-0001-abcd1234")
     (job / f"{int(t0 * 1000):014d}-0001.step").write_text("25 26.000000 1000037.000000\n")  # after the last flush
-    record(2, t0 + 38, t0 + 45, 1.0, 0.5, 12.0, {"30": 10.0}, 20, 32, t0 + 58.5, "run-0002-abcd1234")
-    report = tmp_path / "diagnostics" / "run-0002-abcd1234" / "w-1.txt"
-    report.parent.mkdir(parents=True)
-    report.write_text("hang on w-1 (run-0002-abcd1234): rank 1 made no progress for 11s\n")
-    os.utime(report, (t0 + 70.5, t0 + 70.5))
+    record(2, t0 + 38, t0 + 45, 1.0, 0.5, 12.0, {"30": 10.0}, 20, 32, t0 + 58.5, "run-0002-abcd1234",
+           previous_run="run-0001-abcd1234", previous_hung_at=None)
     (job / "00000000000004-0004.json").write_text('{"begun": "yesterday"}')
     (job / "00000000000005-0005.json").write_text('{"begun": 1')
     monkeypatch.setenv("DS_RUN_ID", "run-0003-abcd1234")
     monkeypatch.setenv("DS_ATTEMPT", "3")
     monkeypatch.setenv("DS_ATTEMPT_BEGUN", str(t0 + 72))
+    monkeypatch.setenv("DS_PREVIOUS_RUN_ID", "run-0002-abcd1234")
+    monkeypatch.setenv("DS_PREVIOUS_RUN_HUNG_AT", str(t0 + 70.5))
     third = goodput.Goodput(tmp_path, 30, 1.5)
-    # The records and the reports of a release from the layout before _job/ are moved there once, and read.
+    # The records of a release from the layout before _job/ are moved there once, and read.
     assert (tmp_path / "_job" / "goodput" / "abcd1234").is_dir() and not (tmp_path / "goodput").exists()
-    assert (tmp_path / "_job" / "diagnostics" / "run-0002-abcd1234" / "w-1.txt").exists()
     third.step(31, t0 + 80, 1.0)
     third.saved(31, 0.5)
     third.record["updated"] = t0 + 81.5
@@ -351,6 +350,33 @@ def test_goodput_splits_every_attempt_and_leaves_odd_records_out(tmp_path, monke
                      "restore": 0.0 + 1.0 + 1.5, "save": 1.0 + 0.5 + 0.5, "hung": 12.0, "wall": 81.5,
                      "unaccounted": 1.0, "attempts": 3}, split
     assert goodput.describe(split).startswith("goodput 38.0% | wall 81.5s = productive 31.0s + start-up 25.0s")
+
+
+
+@pytest.mark.parametrize("previous_run, hung_at", [
+    ("run-0001-abcd1234", "1000030.0"),  # the ledger's word for the run before: 20 s hung after its last step
+    ("run-0007-ffff0000", "1000030.0"),  # a run the record before is not: its next attempt never wrote a record
+    ("run-0001-abcd1234", "soon"), ("run-0001-abcd1234", "nan"), ("run-0001-abcd1234", "")])
+def test_goodput_counts_time_hung_only_from_the_ledgers_word_on_the_run_before(tmp_path, monkeypatch, previous_run,
+                                                                                hung_at):
+    from train import goodput
+    job = tmp_path / "_job" / "goodput" / "abcd1234"
+    job.mkdir(parents=True)
+    t0 = 1_000_000.0
+    (job / f"{int(t0 * 1000):014d}-0001.json").write_text(json.dumps(
+        {"begun": t0, "first_step": t0 + 1, "restore_s": 0.0, "save_s": 0.0, "productive_s": 9.0, "at_step": {},
+         "resumed_from": 0, "last_step": 9, "updated": t0 + 10, "run": "run-0001-abcd1234"}))
+    monkeypatch.setenv("DS_RUN_ID", "run-0002-abcd1234")
+    monkeypatch.setenv("DS_ATTEMPT_BEGUN", str(t0 + 31))
+    monkeypatch.setenv("DS_PREVIOUS_RUN_ID", previous_run)
+    monkeypatch.setenv("DS_PREVIOUS_RUN_HUNG_AT", hung_at)
+    second = goodput.Goodput(tmp_path, 0, 0.0)
+    second.step(1, t0 + 32, 1.0)
+    split = second.job()
+    counted = previous_run == "run-0001-abcd1234" and hung_at == "1000030.0"
+    assert split["hung"] == (20.0 if counted else 0.0), split
+    assert split["startup"] == (1.0 + 2.0 if counted else 1.0 + 22.0), split
+    assert split["wall"] == 33.0 and split["unaccounted"] == 0.0, split
 
 
 class _Lines:

@@ -12,10 +12,13 @@ times:
 - `productive_s`: its steps' time, with the value at each saved step (`at_step`), so that the steps a later attempt
   trains again count as recomputation instead
 - `resumed_from`, `last_step`, `updated` (the end of its last step or save), `run` (DS_RUN_ID)
-An attempt spans from the end of the one before (its `updated`; after a hang, the watchdog's report in
-_job/diagnostics/<run>/, written just before it killed the ranks, and the time since `updated` is time hung) to its own
-end. Start-up is the part of that span before its first step, less the restore: for a retry it includes noticing
-the failure and starting the ranks again. The job's wall time runs from its first attempt's `begun` to the last end.
+- `previous_run`, `previous_hung_at`: the attempt before and when a watchdog first reported it hung, just before it
+  killed the ranks (DS_PREVIOUS_RUN_ID, DS_PREVIOUS_RUN_HUNG_AT from the ledger: its owner merged every host's
+  report, so the time is known on per-pod volumes too, where the report lies on another pod's)
+An attempt spans from the end of the one before (its `updated`; after a hang, the report's time, and the time since
+`updated` is time hung) to its own end. Start-up is the part of that span before its first step, less the restore:
+for a retry it includes noticing the failure and starting the ranks again. The job's wall time runs from its first
+attempt's `begun` to the last end.
 """
 
 import json
@@ -50,12 +53,11 @@ class Goodput:
     def __init__(self, ckpt_dir: Path | None, resumed_from: int, restore_s: float):
         run = os.environ.get("DS_RUN_ID", "")
         parsed = protocol.parse_run_id(run)
-        self.directory = self.diagnostics = None
+        self.directory = None
         if ckpt_dir:
             records = job_tree(Tree(ckpt_dir, trusted_root=True), protocol.GOODPUT)
             self.directory = records.root / (parsed[1] if parsed else "local")
             records.prune("", protocol.KEEP_JOBS, spare=self.directory.name)
-            self.diagnostics = job_tree(Tree(ckpt_dir, trusted_root=True), protocol.DIAGNOSTICS).root  # the watchdogs'
         attempt = os.environ.get("DS_ATTEMPT", "")
         try:
             begun = float(os.environ.get("DS_ATTEMPT_BEGUN", ""))
@@ -67,11 +69,12 @@ class Goodput:
         self.path = self.directory / name if self.directory else None
         self.record = {"begun": begun, "first_step": None, "restore_s": restore_s, "save_s": 0.0,
                        "productive_s": 0.0, "at_step": {}, "resumed_from": resumed_from, "last_step": resumed_from,
-                       "updated": time.time(), "run": run}
+                       "updated": time.time(), "run": run,
+                       "previous_run": os.environ.get(protocol.ATTEMPT_ENV["previous_run"], ""),
+                       "previous_hung_at": protocol.number(os.environ.get(protocol.ATTEMPT_ENV["previous_hung_at"]))}
         self.flushed = 0.0
         self.tail: int | None = None  # <attempt>.step, open for the per-step pwrite
         self._past: dict[str, dict] | None = None  # the earlier attempts' records (_past_records)
-        self._hangs: dict[str, float | None] = {}  # run -> its first hang report's time (_hang_reported)
         if self.directory and not run and self.directory.is_dir():  # a run outside the chart is a job of its own
             for old in self.directory.iterdir():
                 old.unlink(missing_ok=True)
@@ -123,7 +126,7 @@ class Goodput:
         start = attempts[0]["begun"]
         end = start
         for i, record in enumerate(attempts):
-            killed = self._hang_reported(record["run"]) if i + 1 < len(attempts) else None
+            killed = _hung_at(record, attempts[i + 1]) if i + 1 < len(attempts) else None
             hung = max(0.0, killed - record["updated"]) if killed else 0.0
             later = attempts[i + 1]["resumed_from"] if i + 1 < len(attempts) else None
             lost = 0.0
@@ -163,20 +166,13 @@ class Goodput:
                 self._past[path.name] = record
         return self._past
 
-    def _hang_reported(self, run: str) -> float | None:
-        """When a watchdog reported the (earlier) run hung, just before it killed the ranks (the first report);
-        None if none did. Read once a run."""
-        if not run or self.directory is None:
-            return None
-        if run not in self._hangs:
-            times = []
-            for path in (self.diagnostics / run).glob("*.txt"):
-                try:
-                    times.append(path.stat().st_mtime)
-                except OSError:
-                    continue
-            self._hangs[run] = min(times, default=None)
-        return self._hangs[run]
+
+def _hung_at(record: dict, after: dict) -> float | None:
+    """When `record`'s attempt was reported hung, from the attempt after it (None: not reported, or the record after
+    it is not its next attempt's: that one's rank 0 never got so far)."""
+    if not record["run"] or after.get("previous_run") != record["run"]:
+        return None
+    return protocol.number(after.get("previous_hung_at"))
 
 
 def _valid(record) -> bool:

@@ -97,11 +97,12 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         assert resumed >= 40 and max(step_losses(retry)) == 300
         assert all(checkpoint.is_complete(v / "step_00000300") for v in volumes)
         # Goodput: time hung runs from the last step, within a step of the test's stop, to the first watchdog's
-        # report; the steps after the checkpoint the retry resumed from (saved every 20 steps) are recomputation.
+        # report, whichever host's it was (rank 0's volume holds no report of another host's: the ledger tells the
+        # retry when); the steps after the checkpoint the retry resumed from (saved every 20 steps) are recomputation.
         split = json.loads((ckpt / "metrics.json").read_text())["goodput_s"]
         stopped_step = max(int(n) for n in re.findall(r"made no progress for \d+s \(.*, \w+ after step (\d+)\)", log))
-        [report] = cluster.rank_state_dir(workers[1]).glob("hang-run-0001-*.json")  # the watchdog's verdict
-        reported = report.stat().st_mtime - stopped_wall
+        reports = [p for w in workers for p in cluster.rank_state_dir(w).glob("hang-run-0001-*.json")]  # the verdicts
+        reported = min(p.stat().st_mtime for p in reports) - stopped_wall
         assert abs(split["hung"] - reported) < 3, (split, reported)
         assert split["attempts"] == 2 and (split["recomputation"] > 0) == (stopped_step > resumed), (split, resumed)
         assert abs(split["unaccounted"]) < max(0.02 * split["wall"], 3), split

@@ -6,7 +6,8 @@ otherwise in the owner's /tmp (and mirrored to the bucket when there is one). On
 
     begun            when it began (epoch seconds)
     outcome          the run's exit status
-    cause.json       why it ended (causes.decide: cause, reason, culprit, step, error, begun, ended)
+    cause.json       why it ended (causes.decide: cause, reason, culprit, step, error, begun, ended; hung_at: when
+                     a watchdog first reported it hung)
     stopped-<host>   a pod got SIGTERM during the attempt (its notice reached the owner): a preemption
     oom.json         the OOM kills each host's memory cgroup had counted at the attempt's end
 
@@ -237,10 +238,13 @@ class Ledger:
             number += 1
         begun = int(time.time() * 1000) / 1000  # as written: never after the end time.time() takes later
         self.keep(f"{self.name(number)}/begun", f"{begun:.3f}\n")
+        hung_at = protocol.number(last.get("hung_at"))
         env = {protocol.ATTEMPT_ENV["run"]: protocol.run_id(number, self.job),
                protocol.ATTEMPT_ENV["attempt"]: str(number), protocol.ATTEMPT_ENV["failures"]: str(failures),
                protocol.ATTEMPT_ENV["failure_budget"]: str(self.budget),
-               protocol.ATTEMPT_ENV["preemptions"]: str(preemptions), protocol.ATTEMPT_ENV["begun"]: f"{begun:.3f}"}
+               protocol.ATTEMPT_ENV["preemptions"]: str(preemptions), protocol.ATTEMPT_ENV["begun"]: f"{begun:.3f}",
+               protocol.ATTEMPT_ENV["previous_run"]: protocol.run_id(previous[0], self.job) if previous else "",
+               protocol.ATTEMPT_ENV["previous_hung_at"]: f"{hung_at:.3f}" if hung_at is not None else ""}
         # Why the attempt before ended stays said until this one ends: the reason of a retry.
         self.say("starting", last.get("reason"), counter=env, culprit=last.get("culprit"), cause=last.get("cause"))
         return Began(number, env, self.summary(number, failures, preemptions))
@@ -293,7 +297,12 @@ class Ledger:
         facts = causes.facts(number, status, evidence, self.stopped(number), self.oom_increase(number, evidence))
         cause = causes.decide(facts)
         begun = protocol.number((self.tree.read_text(f"{relpath}/begun", 64) or "").strip())
-        cause.update(begun=begun, ended=time.time())
+        ended = time.time()
+        # The first watchdog's report, within the attempt (a report's time is the state directory's, which a rank
+        # can write): the next attempt's ranks count the time hung up to it (protocol.ATTEMPT_ENV).
+        hung_at = facts.hang_time if facts.hang_time and begun is not None and begun <= facts.hang_time <= ended \
+            else None
+        cause.update(begun=begun, ended=ended, hung_at=hung_at)
         self.keep(f"{relpath}/cause.json", json.dumps({k: v for k, v in cause.items() if v is not None}))
         if status == 0:
             self.say("done", cause="completed")

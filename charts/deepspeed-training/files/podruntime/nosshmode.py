@@ -368,7 +368,8 @@ class Worker:
 
 
 def attempt_env(env) -> dict[str, str] | None:
-    """A `go` message's env: exactly the attempt's keys, values without shell or whitespace characters."""
+    """A `go` message's env: exactly the attempt's keys, values without shell or whitespace characters (empty: an
+    attempt with no previous run)."""
     if not isinstance(env, dict) or set(env) != set(protocol.ATTEMPT_ENV.values()):
         return None
-    return env if all(re.fullmatch(r"[A-Za-z0-9_./-]{1,64}", v) for v in env.values()) else None
+    return env if all(isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_./-]{0,64}", v) for v in env.values()) else None

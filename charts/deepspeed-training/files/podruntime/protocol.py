@@ -92,7 +92,11 @@ KEEP_JOBS = 3
 # ---- the attempt, for every rank (the ledger gives them; published in progress.json and verdict.json under the
 # left-hand names)
 ATTEMPT_ENV = {"run": "DS_RUN_ID", "attempt": "DS_ATTEMPT", "failures": "DS_FAILURES",
-               "failure_budget": "DS_FAILURE_BUDGET", "preemptions": "DS_PREEMPTIONS", "begun": "DS_ATTEMPT_BEGUN"}
+               "failure_budget": "DS_FAILURE_BUDGET", "preemptions": "DS_PREEMPTIONS", "begun": "DS_ATTEMPT_BEGUN",
+               # the attempt before this one ("" for the first), and when a watchdog first reported it hung ("" if
+               # none did): where a rank's goodput learns that time on any storage (the report may be on another
+               # pod's volume)
+               "previous_run": "DS_PREVIOUS_RUN_ID", "previous_hung_at": "DS_PREVIOUS_RUN_HUNG_AT"}
 COUNTER_KEYS = ("attempt", "failures", "failure_budget", "preemptions", "run")  # published with every record
 PROTOCOL_ENV = "DS_PROTOCOL_VERSION"
 
