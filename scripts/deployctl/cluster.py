@@ -6,9 +6,7 @@ import shlex
 import shutil
 import subprocess
 
-import yaml
-
-from scripts.deployctl.common import DeployError
+from scripts.deployctl.common import DeployError, manifest_docs
 from scripts.deployctl.helm import release_name
 from scripts.deployctl.render import Rendered
 
@@ -28,8 +26,8 @@ def kube_context(r: Rendered, requested: str | None, need_cluster: bool) -> str 
 def status(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> int:
     """Where the release's run stands: its progress ConfigMap (the chart's progress sidecars keep it), read with
     the kubernetes client."""
-    names = [doc["metadata"]["name"] for doc in yaml.safe_load_all(manifests)
-             if doc and doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-progress")]
+    names = [doc["metadata"]["name"] for doc in manifest_docs(manifests)
+             if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-progress")]
     if not names:
         raise DeployError(f"release {release_name(r)} renders no progress ConfigMap (progress.enabled is false)")
     namespace = r.settings["deploy"]["namespace"]

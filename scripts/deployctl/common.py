@@ -15,6 +15,14 @@ SETTINGS_SCHEMA = ROOT / "scripts" / "settings.schema.json"
 CHART_DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 CHART_NAME = yaml.safe_load((CHART / "Chart.yaml").read_text())["name"]
 IMAGE_EXAMPLES = "/opt/deepspeed-examples"  # where docker/Dockerfile.hf puts examples/; the demo runs them from here
+# libyaml's parser where PyYAML has it (its wheels do): the same documents, 18x faster on a release's manifests
+# (0.11 s -> 0.006 s for the example's), which one command reads several times and the tests thousands of times.
+_MANIFEST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def manifest_docs(manifests: str) -> list:
+    """The documents of a render (helm template's output), empty ones left out."""
+    return [doc for doc in yaml.load_all(manifests, Loader=_MANIFEST_LOADER) if doc]
 
 
 class DeployError(Exception):

@@ -5,8 +5,9 @@ cluster, or without the right to list nodes (cluster-scoped), it says so in one 
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-import yaml
 from kubernetes.utils import parse_quantity
+
+from scripts.deployctl.common import manifest_docs
 
 REQUEST_TIMEOUT_S = 5
 KINDS = ("StatefulSet", "Job", "Deployment")
@@ -61,7 +62,7 @@ def pod_groups(manifests: str) -> list[PodGroup]:
     """The job's running pods by component (workers, launcher): how many, each one's requests. Hooks (the config
     check) run before them and alone."""
     groups = []
-    for doc in yaml.safe_load_all(manifests):
+    for doc in manifest_docs(manifests):
         if not (isinstance(doc, dict) and doc.get("kind") in KINDS):
             continue
         if "helm.sh/hook" in ((doc.get("metadata") or {}).get("annotations") or {}):

@@ -6,8 +6,6 @@ import shlex
 import shutil
 import subprocess
 
-import yaml
-
 from scripts.deployctl import common
 from scripts.deployctl.common import DeployError, blame, write_file
 from scripts.deployctl.layers import release_of
@@ -70,9 +68,8 @@ def deploy(r: Rendered, context: str | None, dry_run: bool, wait: bool, manifest
         cmd += ["--wait", "--timeout", r.settings["deploy"]["timeout"]]
     if dry_run:
         print("DRY_RUN: not applied. It would apply:")
-        for doc in yaml.safe_load_all(manifests):
-            if doc:
-                print(f"  {doc['kind']:<16} {r.settings['deploy']['namespace']}/{doc['metadata']['name']}")
+        for doc in common.manifest_docs(manifests):
+            print(f"  {doc['kind']:<16} {r.settings['deploy']['namespace']}/{doc['metadata']['name']}")
         print(f"  (full manifests: {(r.out / 'manifests.yaml').relative_to(common.ROOT)})")
     return run(cmd, dry_run)
 
@@ -82,7 +79,7 @@ def demo(r: Rendered, manifests: str) -> int:
     chart's Job (the launcher's, or in launchMode nossh the workers'), so the chart's program conventions apply,
     with its pod paths pointed at build/."""
     ckpt = common.BUILD / "demo" / (r.project or "base") / "checkpoints"  # one per project: programs differ
-    job = next(doc for doc in yaml.safe_load_all(manifests) if doc and doc["kind"] == "Job")
+    job = next(doc for doc in common.manifest_docs(manifests) if doc["kind"] == "Job")
     launcher = job["spec"]["template"]["spec"]["containers"][0]
     runner = launcher["args"]
     start = next(i for i, arg in enumerate(runner[1:], 1) if not arg.startswith("--"))  # files/rank-log.py

@@ -6,9 +6,7 @@ retypes how."""
 
 import sys
 
-import yaml
-
-from scripts.deployctl.common import DeployError, source_of
+from scripts.deployctl.common import DeployError, manifest_docs, source_of
 from scripts.deployctl.helm import helm_template, release_name
 from scripts.deployctl.layers import other_projects
 from scripts.deployctl.render import Rendered, build, write
@@ -19,7 +17,7 @@ SHOWN = 3  # object names a refusal lists
 def object_names(manifests: str, namespace: str) -> set[tuple[str, str, str]]:
     """(kind, namespace, name) of every object of a render; a namespaced object without one is in `namespace`."""
     names = set()
-    for doc in yaml.safe_load_all(manifests):
+    for doc in manifest_docs(manifests):
         if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
             meta = doc["metadata"]
             names.add((str(doc.get("kind")), str(meta.get("namespace") or namespace), str(meta.get("name"))))

@@ -3,9 +3,7 @@ image) stays pinned, by any path: a project's render against a render of the pla
 
 import json
 
-import yaml
-
-from scripts.deployctl.common import DeployError
+from scripts.deployctl.common import DeployError, manifest_docs
 from scripts.deployctl.helm import helm_template, release_name
 from scripts.deployctl.render import Rendered, build, write
 
@@ -40,7 +38,7 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 def pinned_fields(manifests: str) -> dict[str, dict]:
     """{component: {field: value}} of PINNED_FIELDS for the worker and launcher pods of a render."""
-    docs = [doc for doc in yaml.safe_load_all(manifests) if doc]
+    docs = manifest_docs(manifests)
     accounts = {d["metadata"]["name"]: d["metadata"].get("annotations", {}) for d in docs
                 if d["kind"] == "ServiceAccount"}
     volcano = [d["spec"].get("queue", "") for d in docs

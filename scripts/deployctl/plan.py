@@ -1,8 +1,6 @@
 """What `make plan` and the dry run print: the release, the job's shape, batch, ZeRO, memory per GPU, and every
 warning the platform should read (relaxed security, code it trusts)."""
 
-import yaml
-
 from scripts.deployctl import common, fit
 from scripts.deployctl.common import DeployError
 from scripts.deployctl.dsconf import layout_of
@@ -78,8 +76,8 @@ LAUNCH_MODES = {"ssh": "ssh (a launcher Job runs deepspeed over pdsh to the work
 
 def worker_pod_template(manifests: str) -> dict:
     """The workers' pod template: the StatefulSet's (launchMode ssh) or the Indexed Job's (nossh)."""
-    for doc in yaml.safe_load_all(manifests):
-        if doc and doc.get("kind") in ("StatefulSet", "Job") and \
+    for doc in common.manifest_docs(manifests):
+        if doc.get("kind") in ("StatefulSet", "Job") and \
                 doc["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "worker":
             return doc["spec"]["template"]
     raise DeployError("the chart rendered no worker pods")

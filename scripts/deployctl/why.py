@@ -14,12 +14,10 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import yaml
-
 from podruntime import causes, protocol
 from podruntime.text import duration, lines
 from scripts.deployctl.cluster import printable
-from scripts.deployctl.common import DeployError
+from scripts.deployctl.common import DeployError, manifest_docs
 from scripts.deployctl.helm import release_name
 from scripts.deployctl.render import Rendered
 
@@ -53,7 +51,7 @@ class Release:
 
 
 def release_of(r: Rendered, manifests: str) -> Release:
-    docs = [d for d in yaml.safe_load_all(manifests) if d]
+    docs = manifest_docs(manifests)
     progress = [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"
                 and d["metadata"]["name"].endswith("-progress")]
     if not progress:

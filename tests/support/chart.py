@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
+from scripts.deployctl.common import manifest_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "deepspeed-training"
@@ -82,7 +82,7 @@ def _render(values, show_only, values_files, helm, release, namespace, with_imag
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise HelmError(proc.stderr)
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    return manifest_docs(proc.stdout)
 
 
 def is_hook(doc: dict) -> bool:
