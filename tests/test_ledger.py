@@ -177,6 +177,24 @@ def test_the_next_attempt_learns_the_run_before_and_when_it_was_first_reported_h
     assert began(tmp_path).env["DS_PREVIOUS_RUN_HUNG_AT"] == ""  # the attempt before (no outcome recorded) did not hang
 
 
+def test_once_the_wait_for_the_hosts_is_over_the_attempt_says_its_own_words_again(tmp_path):
+    """The launcher waits for its workers after begin() (ssh): the wait's line goes once the ranks start, and a
+    retry's reason (why the attempt before ended) is said again."""
+    first = began(tmp_path)
+    book = ledger(tmp_path)
+    book.end(first.number, 1, [host(name="w-1", ends=[protocol.end_record(
+        first.env["DS_RUN_ID"], 1, "w-1", "program-error", "ValueError: bad batch", 7, 1.0)])])
+    book = ledger(tmp_path)
+    book.begin()
+    retry = verdict(tmp_path)["reason"]
+    assert "ValueError: bad batch" in retry
+    book.say_waiting("the launcher waits for 1 of 2 workers (w-1; w-1: SSH failed): 290s more, then the job fails")
+    assert verdict(tmp_path)["reason"].startswith("the launcher waits for 1 of 2 workers")
+    book.waited()
+    assert verdict(tmp_path)["state"] == "starting" and verdict(tmp_path)["reason"] == retry
+    assert verdict(tmp_path)["attempt"] == "2"
+
+
 def test_an_upgrade_keeps_the_jobs_budget_and_a_reinstall_starts_a_fresh_one(tmp_path):
     """The ledger is keyed by the release's install (the sidecar's job.id: the progress ConfigMap's uid, which an
     upgrade keeps), not by the Job's uid, which every revision's Job has anew."""

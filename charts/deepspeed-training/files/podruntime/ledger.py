@@ -114,6 +114,7 @@ class Ledger:
         state = env.get(protocol.STATE_DIR_ENV)
         self.state = Tree(state) if state else None
         self.counter: dict[str, str] = {}  # the current attempt's env, published with every verdict
+        self.starting: dict = {}  # what begin() said of the current attempt (waited() says it again)
 
     # ---- reading the ledger
 
@@ -246,7 +247,8 @@ class Ledger:
                protocol.ATTEMPT_ENV["previous_run"]: protocol.run_id(previous[0], self.job) if previous else "",
                protocol.ATTEMPT_ENV["previous_hung_at"]: f"{hung_at:.3f}" if hung_at is not None else ""}
         # Why the attempt before ended stays said until this one ends: the reason of a retry.
-        self.say("starting", last.get("reason"), counter=env, culprit=last.get("culprit"), cause=last.get("cause"))
+        self.starting = {"reason": last.get("reason"), "culprit": last.get("culprit"), "cause": last.get("cause")}
+        self.say("starting", counter=env, **self.starting)
         return Began(number, env, self.summary(number, failures, preemptions))
 
     def _stop(self, rule, failures: int, preemptions: int, last: dict) -> Stopped:
@@ -311,6 +313,14 @@ class Ledger:
         else:
             self.say("failed", cause["reason"], culprit=cause.get("culprit"), cause=cause["cause"])
         return cause
+
+    def say_waiting(self, reason: str) -> None:
+        """The attempt waits for its hosts before its ranks start: for whom, why and how long yet (until waited)."""
+        self.say("starting", reason)
+
+    def waited(self) -> None:
+        """The wait is over: the attempt's own words again (begin's: why the attempt before ended, if it failed)."""
+        self.say("starting", **self.starting)
 
     def say(self, state: str, reason: str | None = None, counter: dict | None = None, culprit: str | None = None,
             cause: str | None = None) -> None:

@@ -182,9 +182,9 @@ class Worker:
             self.barrier_log(f"{len(self.hosts) - len(missing())}/{len(self.hosts)} here; waiting for {shown}{more} "
                              f"({left:.0f}s left)")
             # Where the job stands, for the progress ConfigMap and `make why`: who it waits for, and how long yet.
-            self.ledger.say("starting", f"the start barrier waits for {len(missing())} of {len(self.hosts)} "
-                                        f"workers ({shown}{more}): {left:.0f}s more, then the job fails "
-                                        "(job.waitTimeoutSeconds)")
+            self.ledger.say_waiting(f"the start barrier waits for {len(missing())} of {len(self.hosts)} "
+                                    f"workers ({shown}{more}): {left:.0f}s more, then the job fails "
+                                    "(job.waitTimeoutSeconds)")
 
         self.barrier_log(f"waiting up to {self.timeout:.0f}s for {len(self.workers)} workers on port {self.port}")
         with self.changed:  # held from the last join to the last `go`: a worker lost meanwhile is waited for again

@@ -188,10 +188,11 @@ class Launcher:
         Log("attempts")(began.line)
         timeout = float(self.env.get("DS_WAIT_TIMEOUT_SECONDS", "300") or 300)
         status = Meeting(self.hosts, timeout, 1.0, STOP_RANKS, self.env, self.stopped,
-                         waiting=lambda reason: self.ledger.say("starting", reason)).run()
+                         waiting=self.ledger.say_waiting).run()
         if status != 0:
             self.ledger.end(began.number, status, [])
             return status
+        self.ledger.waited()  # no longer "the launcher waits for ...", once the ranks start
         plan = self.plan()
         if isinstance(plan, str):  # no tag every worker holds: a stop, in one line, never a start from step 0
             self.ledger.end(began.number, protocol.EXIT_CONFIG_ERROR, [])
