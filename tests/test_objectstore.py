@@ -5,6 +5,7 @@ with the same losses and its failure budget, a tag cut by a kill during its uplo
 tenant plants in a checkpoint directory or where the restore writes, and a wrong bucket, key or endpoint refused in
 one line before any rank starts."""
 
+import io
 import json
 import os
 import re
@@ -154,8 +155,7 @@ def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the
     # A big tag, its upload killed with the uploader's process: parts of it in the bucket, no commit.
     big = directory / checkpoint.tag_for(30)
     big.mkdir()
-    with open(big / "shard.pt", "wb") as f:
-        f.truncate(600 << 20)
+    s3.write_data(big / "shard.pt", 600 << 20)
     (big / "commit.json").write_text(json.dumps({"step": 30, "files": checkpoint.files_of(big)}))
     uploader = s3.upload_round(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)),
                                stderr=subprocess.PIPE)
@@ -191,8 +191,7 @@ def test_a_tag_deleted_while_it_uploads_is_never_committed_and_the_next_one_goes
     doomed = directory / "checkpoint-100"
     doomed.mkdir(parents=True)
     for name in ("model.safetensors", "optimizer.pt"):
-        with open(doomed / name, "wb") as f:
-            f.truncate(16 * PART)  # the first one read takes long enough to delete the tag before the second
+        s3.write_data(doomed / name, 16 * PART)  # the first one takes long enough to delete the tag before the second
     (doomed / "trainer_state.json").write_text('{"global_step": 100}')
     uploader = s3.upload_round(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -239,6 +238,77 @@ def test_links_fifos_and_devices_planted_in_a_checkpoint_are_neither_followed_no
     os.replace(tag / "commit.json", tmp_path / "kept.json")
     os.mkfifo(tag / "commit.json")
     assert checkpoints.complete_tags(Tree(directory)) == []
+
+
+def test_the_bucket_gets_what_the_volume_holds_once_per_inode_and_a_part_over_the_limit_goes_nowhere(gateway,
+                                                                                                       tmp_path):
+    """A program leaves a 1 GiB file with three small data regions and 1,200 hard links of its 1 MiB shard in a
+    complete checkpoint: its part sends what the volume holds, each inode once, and the restore brings back the holes
+    and the links. A part over checkpoints.objectStore.maxPartGiB is not uploaded, its tag never committed, in one
+    line; a manifest whose links or regions do not fit its files is refused by the restore."""
+    bucket = s3.new_bucket(gateway)
+    directory = tmp_path / "ckpt"
+    tag = directory / checkpoint.tag_for(10)
+    (tag / "links").mkdir(parents=True)
+    shard = os.urandom(1 << 20)
+    (tag / "shard.pt").write_bytes(shard)
+    for i in range(1200):
+        os.link(tag / "shard.pt", tag / "links" / f"copy-{i:04d}.pt")
+    with open(tag / "sparse.bin", "wb") as f:
+        for offset, data in ((0, b"head"), (512 << 20, b"middle"), (1 << 30, b"tail")):
+            f.seek(offset)
+            f.write(data)
+    (tag / "commit.json").write_text(json.dumps({"step": 10, "files": checkpoint.files_of(tag)}))
+    inodes = {(i.st_dev, i.st_ino): i for i in (p.stat() for p in tag.rglob("*") if p.is_file())}
+    on_volume = sum(i.st_blocks * 512 for i in inodes.values())  # what `du` says the tag holds
+    uploader = objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory))))
+    uploader.step()
+    assert uploader.status["error"] == "" and uploader.status["committed_step"] == 10, uploader.status
+    prefix = "ml/job/checkpoints/step_00000010/parts/0/"
+    objects = {o.object_name[len(prefix):]: o.size for o in s3.client(gateway).list_objects(bucket, prefix=prefix,
+                                                                                             recursive=True)}
+    shard_name = next(name for name in objects if name not in ("sparse.bin", "commit.json"))  # one of its 1,201 names
+    assert set(objects) == {shard_name, "sparse.bin", "commit.json"}, sorted(objects)[:5]
+    assert objects[shard_name] == 1 << 20 and objects["sparse.bin"] < 1 << 20, objects
+    assert sum(objects.values()) <= on_volume < 3 << 20, (objects, on_volume)
+    print(f"\n1 GiB + 1,201 names of 1 MiB ({(1 << 30) + 1201 * (1 << 20):,} bytes by name) sent as "
+          f"{sum(objects.values()):,} bytes; the volume holds {on_volume:,}")
+    restored = s3.run_objectstore("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
+    assert "restored step_00000010 from the bucket" in restored.stdout, restored.stdout + restored.stderr
+    back = tmp_path / "new" / "step_00000010"
+    assert checkpoint.is_complete(back)
+    assert (back / "shard.pt").read_bytes() == shard and (back / "shard.pt").stat().st_nlink == 1201
+    assert (back / "links" / "copy-0777.pt").stat().st_ino == (back / "shard.pt").stat().st_ino
+    sparse = back / "sparse.bin"
+    assert sparse.stat().st_size == (1 << 30) + 4 and sparse.stat().st_blocks * 512 < 1 << 20
+    with open(sparse, "rb") as f:
+        assert [(f.seek(o), f.read(n))[1] for o, n in ((0, 4), (512 << 20, 6), (1 << 30, 4), (4096, 4))] == \
+            [b"head", b"middle", b"tail", bytes(4)]
+    # Over the limit: the next tag is not uploaded, the bucket keeps step 10, and one line says why.
+    newer = directory / checkpoint.tag_for(20)
+    newer.mkdir()
+    (newer / "shard.pt").write_bytes(shard)
+    (newer / "commit.json").write_text(json.dumps({"step": 20, "files": checkpoint.files_of(newer)}))
+    limited = objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory),
+                                                         DS_OBJECT_STORE_MAX_PART_BYTES=str(512 << 10))))
+    limited.step()
+    limited.step()
+    assert re.fullmatch(r"step_00000020 not uploaded: node 0's part holds 0\.0 GiB of data \(each file once, holes "
+                        r"left out\), over checkpoints\.objectStore\.maxPartGiB \(0\.000488281\); the bucket keeps its "
+                        r"older committed tags", limited.status["error"]), limited.status["error"]
+    assert {t: e["committed"] for t, e in limited.bucket_tags().items()} == {"step_00000010": True}
+    # A manifest whose regions run past its file, or whose link names a file it does not list: refused, one line.
+    manifest_key = "ml/job/checkpoints/step_00000010/parts/0.json"
+    manifest = json.loads(s3.client(gateway).get_object(bucket, manifest_key).read())
+    for hostile in ({**manifest, "regions": {"sparse.bin": [[0, 1 << 40]]}},
+                    {**manifest, "links": {"links/copy-0001.pt": "../../other-release/shard.pt"}}):
+        data = json.dumps(hostile).encode()
+        s3.client(gateway).put_object(bucket, manifest_key, io.BytesIO(data), len(data))
+        refused = s3.run_objectstore("restore", s3.store_env(gateway, bucket,
+                                                             DS_CHECKPOINT_DIR=str(tmp_path / "hostile")))
+        assert refused.returncode == 1 and "node 0's manifest in the bucket lists links or data regions that do not " \
+            "fit its files: not restored" in refused.stderr, refused.stdout + refused.stderr
+        assert not list((tmp_path / "hostile").glob("step_*"))
 
 
 @pytest.mark.parametrize("case", ["bucket", "keys", "endpoint", "tls without the CA", "tls"])

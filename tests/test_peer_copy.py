@@ -107,6 +107,36 @@ def test_a_part_reaches_its_keeper_and_comes_back_to_a_new_pod_of_its_worker(wor
     assert not [n for n in workers.volumes[1].names() if n.startswith(".")]  # no staging left behind
 
 
+def test_a_part_of_hard_links_and_holes_is_sent_as_the_volume_holds_it_and_comes_back_the_same(workers, tmp_path):
+    """A program's part with 200 hard links of its shard and a 1 GiB file of two data blocks: the copy sends the
+    shard once and the blocks only (not 1.2 GiB), the keeper holds what the sender's volume holds, and a new pod gets
+    the links and the holes back."""
+    shard = os.urandom(1 << 20)
+    tag = write_tag(workers.volumes[1], 10, {"shard.pt": shard})
+    base = workers.volumes[1].path(tag)
+    (base / "links").mkdir()
+    for i in range(200):
+        os.link(base / "shard.pt", base / "links" / f"{i}.pt")
+    with open(base / "sparse.bin", "wb") as f:
+        f.write(b"head")
+        f.seek(1 << 30)
+        f.write(b"tail")
+    assert workers.senders[1].step() == tag
+    status = json.loads((tmp_path / "worker1" / "state" / protocol.PEER_STATUS).read_text())
+    assert (1 << 20) < status["bytes"] < (2 << 20), status  # the shard once, two blocks, commit.json
+    kept = workers.volumes[0].path(f"{peercopy.COPIES}/1/{tag}")
+    assert (kept / "links" / "7.pt").stat().st_ino == (kept / "shard.pt").stat().st_ino
+    assert (kept / "sparse.bin").stat().st_blocks * 512 < 1 << 20
+    workers.new_pod(1, tmp_path)
+    said = peercopy.prepare(workers.rings[1], workers.volumes[1], tag, True)
+    assert f"fetched its part of {tag} from worker 0" in said
+    back = workers.volumes[1].path(tag)
+    assert (back / "shard.pt").read_bytes() == shard and (back / "shard.pt").stat().st_nlink == 201
+    assert (back / "sparse.bin").stat().st_size == (1 << 30) + 4 and (back / "sparse.bin").stat().st_blocks < 2048
+    with open(back / "sparse.bin", "rb") as f:
+        assert (f.read(4), f.seek(1 << 30), f.read(4)) == (b"head", 1 << 30, b"tail")
+
+
 def test_a_newer_save_replaces_the_copy_and_a_keeper_that_lost_it_gets_it_again(workers, tmp_path):
     write_tag(workers.volumes[1], 10)
     workers.senders[1].step()

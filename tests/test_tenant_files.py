@@ -252,3 +252,37 @@ def test_a_watchdogs_word_that_ranks_wait_is_typed_on_arrival(fields):
     assert isinstance(message["who"], str) and len(message["who"]) <= 300 and "\x1b" not in message["who"]
     legit = channel.decode(channel.encode("waiting", run="run-0001-a", since=1000.5, who="rank 1 on w-1"))
     assert (legit["since"], legit["who"]) == (1000.5, "rank 1 on w-1")
+
+
+def test_a_copy_sends_each_inode_once_and_a_files_data_regions_at_most_max_regions_of_them(tmp_path, secret):
+    """What a copy of a tag sends (checkpoints.how_sent): hard links by name, holes left out, a file of thousands of
+    data regions merged over its smallest holes; a link to a file outside the tag is neither followed nor sent."""
+    tag = tmp_path / "ckpt" / "step_00000001"
+    tag.mkdir(parents=True)
+    (tag / "a.pt").write_bytes(b"x" * 5000)
+    os.link(tag / "a.pt", tag / "b.pt")
+    (tag / "out").symlink_to(secret)
+    block = os.statvfs(tag).f_bsize
+    with open(tag / "holes.bin", "wb") as f:
+        for i in range(3000):  # data in every other block: 3,000 regions
+            f.seek(2 * i * block)
+            f.write(b"d")
+        f.truncate(6000 * block)
+    sent = checkpoints.how_sent(Tree(tmp_path / "ckpt"), "step_00000001")
+    assert set(sent) == {"a.pt", "b.pt", "holes.bin"}
+    assert (sent["a.pt"].data, sent["b.pt"].link, sent["b.pt"].data) == (5000, "a.pt", 0)
+    regions = sent["holes.bin"].regions
+    assert regions is not None and len(regions) == checkpoints.MAX_REGIONS, len(regions or ())
+    assert regions[0][0] == 0 and sum(regions[-1]) == 5999 * block  # every data block covered, none past the last
+    # 3,000 data blocks and the 1,976 one-block holes merged away (2,999 holes, 1,023 kept), of 6,000 blocks
+    assert sent["holes.bin"].data == (3000 + 2999 - (checkpoints.MAX_REGIONS - 1)) * block
+    files = {name: s.size for name, s in sent.items()}
+    manifest = {"links": {"b.pt": "a.pt"}, "regions": {"holes.bin": [list(r) for r in regions]}}
+    assert checkpoints.valid_layout(manifest, files) == ({"b.pt": "a.pt"}, {"holes.bin": regions})
+    for hostile in ({"links": {"b.pt": "../a.pt"}}, {"links": {"b.pt": "b.pt"}}, {"links": {"c.pt": "a.pt"}},
+                    {"links": {"b.pt": "a.pt", "a.pt": "holes.bin"}}, {"regions": {"a.pt": [[0, 5001]]}},
+                    {"regions": {"a.pt": [[10, 5], [12, 1]]}}, {"regions": {"a.pt": [[0, 0]]}},
+                    {"regions": {"a.pt": [[0, True]]}}, {"regions": {"b.pt": [[0, 1]]}, "links": {"b.pt": "a.pt"}},
+                    {"regions": {"a.pt": [[i, 1] for i in range(checkpoints.MAX_REGIONS + 1)]}}, {"links": []}):
+        assert checkpoints.valid_layout(hostile, files) is None, hostile
+    assert checkpoints.valid_layout({}, {"a.pt": "5000"}) is None

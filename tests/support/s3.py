@@ -189,6 +189,16 @@ def upload_round(env: dict[str, str], rounds: int = 1, **kwargs) -> subprocess.P
     return subprocess.Popen([sys.executable, "-I", "-c", code], env={"PATH": os.environ["PATH"], **env}, **kwargs)
 
 
+def write_data(path: Path, size: int, head: bytes = b"") -> None:
+    """A file of `size` bytes of data starting with `head`, none of it a hole (the uploader sends only a file's
+    data regions: a file made by truncate() would send nothing)."""
+    block = bytes(range(256)) * (64 << 12)  # 16 MiB
+    with open(path, "wb") as f:
+        f.write(head[:size])
+        for offset in range(len(head[:size]), size, len(block)):
+            f.write(block[:min(len(block), size - offset)])
+
+
 def read_so_far(pid: int, path: Path) -> int:
     """Bytes process pid has read of the file at `path`, or of the files it has open under the directory `path`
     (each descriptor's offset); 0 if it has none open."""

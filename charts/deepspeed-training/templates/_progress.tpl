@@ -173,6 +173,8 @@ keeps the job's ledger in its /tmp. Called with (dict "root" $ "component" "work
   value: {{ .pathStyle | toString | quote }}
 - name: DS_OBJECT_STORE_KEEP
   value: {{ .keep | int | quote }}
+- name: DS_OBJECT_STORE_MAX_PART_BYTES
+  value: {{ mul (.maxPartGiB | int64) 1073741824 | quote }}
 - name: DS_OBJECT_STORE_CREDENTIALS_SECRET
   value: {{ .credentialsSecret | quote }}
 {{- if .caConfigMap }}

@@ -15,7 +15,10 @@ Three layouts are recognised, each by what its writer puts there last:
   the tag's files, on global rank 0).
 """
 
+import errno
+import os
 import re
+from dataclasses import dataclass
 
 from podruntime.tenantfiles import Tree
 
@@ -51,6 +54,125 @@ def order(tag: str) -> tuple[int, str]:
 def files_of(tree: Tree, tag: str) -> dict[str, int]:
     """Every regular file of the tag with its size, by path relative to it (links neither followed nor listed)."""
     return {path: info.st_size for path, info in tree.files(tag).items()}
+
+
+# ---- what a copy of a tag sends (the bucket's uploads): what the volume holds, never more. A tenant's program chooses
+# the files: a sparse file (`truncate -s 1T`) or a thousand hard links of one file would otherwise send their apparent
+# size, once per name, on every save.
+MAX_REGIONS = 1024  # data regions one file is sent as; more (holes every few blocks) are merged over the smallest holes
+
+
+@dataclass(frozen=True)
+class Sent:
+    """How one file of a tag is sent: `link`, the first path of the same inode (sent once; a restore links the
+    others to it); else `regions`, the (offset, length) data regions of a file with holes (None: the whole file)."""
+    size: int
+    link: str | None = None
+    regions: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def data(self) -> int:
+        """The bytes sent for it."""
+        if self.link is not None:
+            return 0
+        return sum(length for _, length in self.regions) if self.regions is not None else self.size
+
+
+def how_sent(tree: Tree, tag: str) -> dict[str, Sent]:
+    """Every regular file of the tag (files_of's), each inode once and a file with holes by its data regions."""
+    first: dict[tuple[int, int], str] = {}
+    found = {}
+    for relpath, info in tree.files(tag).items():
+        inode = (info.st_dev, info.st_ino)
+        if inode in first:
+            found[relpath] = Sent(info.st_size, link=first[inode])
+            continue
+        first[inode] = relpath
+        regions = None
+        if info.st_blocks * 512 < info.st_size:  # maybe holes (compression lowers it too: SEEK_DATA tells)
+            stream = tree.open_stream(f"{tag}/{relpath}")
+            if stream is not None:
+                with stream:
+                    regions = data_regions(stream.fileno(), info.st_size)
+        found[relpath] = Sent(info.st_size, regions=regions)
+    return found
+
+
+def data_regions(fd: int, size: int) -> tuple[tuple[int, int], ...] | None:
+    """The file's data regions, at most MAX_REGIONS (merged over the smallest holes), or None: all data, or a
+    filesystem that cannot say."""
+    regions, offset = [], 0
+    try:
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as err:
+                if err.errno == errno.ENXIO:  # no data after offset
+                    break
+                raise
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            regions.append((start, end - start))
+            offset = end
+    except OSError:
+        return None
+    if regions == [(0, size)]:
+        return None
+    if len(regions) > MAX_REGIONS:
+        holes = sorted(range(1, len(regions)), key=lambda i: regions[i][0] - sum(regions[i - 1]), reverse=True)
+        kept = sorted(holes[:MAX_REGIONS - 1])
+        merged, begin = [], 0
+        for i in [*kept, len(regions)]:
+            start = regions[begin][0]
+            merged.append((start, sum(regions[i - 1]) - start))
+            begin = i
+        regions = merged
+    return tuple(regions)
+
+
+def layout_record(layout: dict[str, Sent]) -> dict:
+    """How a copy was sent, for its manifest (the bucket's part, the peer copy's header): {files: {path: size},
+    links: {path: first path}, regions: {path: [[offset, length], ...]}}."""
+    return {"files": {relpath: sent.size for relpath, sent in layout.items()},
+            "links": {relpath: sent.link for relpath, sent in layout.items() if sent.link is not None},
+            "regions": {relpath: [list(r) for r in sent.regions] for relpath, sent in layout.items()
+                        if sent.regions is not None}}
+
+
+def layout_of(record: dict) -> dict[str, Sent] | None:
+    """A layout_record back (the receiving side's), checked (valid_layout); None when it does not fit."""
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return None
+    checked = valid_layout(record, files)
+    if checked is None:
+        return None
+    links, regions = checked
+    return {relpath: Sent(size, links.get(relpath), regions.get(relpath)) for relpath, size in files.items()}
+
+
+def valid_layout(manifest: dict, files: dict[str, int]) -> tuple[dict[str, str], dict[str, tuple]] | None:
+    """(links, regions) of a part's manifest (what how_sent recorded: `links` {path: first path}, `regions` {path:
+    [[offset, length], ...]}), checked against its files; None when they do not fit them."""
+    links, regions = manifest.get("links", {}), manifest.get("regions", {})
+    if not isinstance(links, dict) or not isinstance(regions, dict) or \
+            not all(type(size) is int and size >= 0 for size in files.values()):
+        return None
+    for path, target in links.items():
+        if path not in files or target not in files or target in links or files[path] != files[target]:
+            return None
+    checked = {}
+    for path, spans in regions.items():
+        if path not in files or path in links or not isinstance(spans, list) or len(spans) > MAX_REGIONS:
+            return None
+        end = 0
+        for span in spans:
+            if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)):
+                return None
+            if span[0] < end or span[1] <= 0 or span[0] + span[1] > files[path]:
+                return None
+            end = span[0] + span[1]
+        checked[path] = tuple((o, n) for o, n in spans)
+    return dict(links), checked
 
 
 def is_complete(tree: Tree, tag: str) -> bool:

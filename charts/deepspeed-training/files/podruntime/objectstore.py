@@ -5,8 +5,10 @@ volume holds them (the restore init container). It runs in the platform's image 
 
 In the bucket, under the release's prefix `<namespace>/<release>/` (DS_RELEASE, fixed by the chart):
 
-    checkpoints/<tag>/parts/<node>/<path>   the files a worker's volume holds of the tag (its part)
-    checkpoints/<tag>/parts/<node>.json     that part's manifest, put after its files: {files: {path: size}, ...}
+    checkpoints/<tag>/parts/<node>/<path>   the files a worker's volume holds of the tag (its part): each inode once,
+                                            a file with holes as its data regions one after the other
+    checkpoints/<tag>/parts/<node>.json     that part's manifest, put after its files: {files: {path: size}, links:
+                                            {path: the first path of its inode}, regions: {path: [[offset, length]]}}
     checkpoints/<tag>/committed.json        put last, by node 0's uploader, once every node's manifest is there
     job/attempts/..., job/goodput/...       the job's records (the failure budget's ledger, goodput): a mirror of
                                             DS_ATTEMPTS_DIR and of <checkpoints>/_job/goodput
@@ -17,15 +19,18 @@ these directories: no link followed, regular files only, tag names in checkpoint
 component by component). On per-worker volumes (DS_CHECKPOINT_STORAGE per-worker) every worker uploads and restores
 its own part; on a shared claim node 0 alone does, with the whole tag as one part.
 
-Files are streamed in parts (multipart, parallel), each checked again for its size after it was sent. One upload at
-a time, the newest complete tag: a newer one supersedes any older one not yet started. Node 0 keeps the newest
-`keep` committed tags in the bucket and deletes older tags, committed or not, never one newer than the newest
-committed (it may still be uploading).
+What a part sends is what the volume holds (checkpoints.how_sent): a hard link is recorded, not sent again; a file's
+holes (SEEK_HOLE) are left out and made again by the restore; a part whose data is over DS_OBJECT_STORE_MAX_PART_BYTES
+(checkpoints.objectStore.maxPartGiB) is not uploaded and its tag never committed, in one line: a tenant's program
+chooses these files, and tenants share the bucket. Files are streamed in parts (multipart, parallel), each checked
+again for its size after it was sent. One upload at a time, the newest complete tag: a newer one supersedes any older
+one not yet started. Node 0 keeps the newest `keep` committed tags in the bucket and deletes older tags, committed or
+not, never one newer than the newest committed (it may still be uploading).
 
-Environment: DS_OBJECT_STORE_{ENDPOINT,BUCKET,REGION,PATH_STYLE,CA_FILE,KEEP,CREDENTIALS_SECRET}, AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, DS_RELEASE, DS_CHECKPOINT_DIR, DS_CHECKPOINT_STORAGE, DS_NODE_RANK, DS_WORKERS,
-DS_OBJECT_STORE_ROLE (worker, or launcher: the ledger only), DS_ATTEMPTS_DIR and DS_LEDGER_ON_WORKER0 (nossh: node
-0's worker keeps the ledger).
+Environment: DS_OBJECT_STORE_{ENDPOINT,BUCKET,REGION,PATH_STYLE,CA_FILE,KEEP,MAX_PART_BYTES,CREDENTIALS_SECRET},
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, DS_RELEASE, DS_CHECKPOINT_DIR, DS_CHECKPOINT_STORAGE, DS_NODE_RANK,
+DS_WORKERS, DS_OBJECT_STORE_ROLE (worker, or launcher: the ledger only), DS_ATTEMPTS_DIR and DS_LEDGER_ON_WORKER0
+(nossh: node 0's worker keeps the ledger).
 """
 
 import io
@@ -68,6 +73,7 @@ class Settings:
         self.path_style = env.get("DS_OBJECT_STORE_PATH_STYLE", "true") == "true"
         self.ca_file = env.get("DS_OBJECT_STORE_CA_FILE", "")
         self.keep = max(1, int(env.get("DS_OBJECT_STORE_KEEP", "3") or 3))
+        self.max_part_bytes = max(1, int(env.get("DS_OBJECT_STORE_MAX_PART_BYTES", "") or 512 << 30))
         self.secret = env.get("DS_OBJECT_STORE_CREDENTIALS_SECRET", "")
         self.prefix = env.get("DS_RELEASE", "").strip("/") + "/"
         self.checkpoint_dir = Tree(env.get("DS_CHECKPOINT_DIR", "/checkpoints"), log)
@@ -92,6 +98,28 @@ class Settings:
 
     def goodput(self) -> Tree | None:
         return job_tree(self.checkpoint_dir, protocol.GOODPUT) if self.commits() else None
+
+
+class Regions:
+    """A file's data regions one after the other: the object the bucket keeps of a file with holes."""
+
+    def __init__(self, stream, regions: tuple[tuple[int, int], ...]):
+        self.stream, self.regions, self.index, self.left = stream, list(regions), 0, 0
+
+    def read(self, size: int = -1) -> bytes:
+        chunks, wanted = [], size if size >= 0 else float("inf")
+        while wanted > 0 and (self.left or self.index < len(self.regions)):
+            if not self.left:
+                offset, self.left = self.regions[self.index]
+                self.index += 1
+                self.stream.seek(offset)
+            chunk = self.stream.read(int(min(wanted, self.left, CHUNK)))
+            if not chunk:
+                raise TagChanged("a file shrank while it was uploading")
+            chunks.append(chunk)
+            self.left -= len(chunk)
+            wanted -= len(chunk)
+        return b"".join(chunks)
 
 
 def client(settings: Settings):
@@ -138,6 +166,7 @@ class Uploader:
         self.store = store or client(settings)
         self.uploaded: str | None = None  # the newest tag this pod's part was put for
         self.records: dict[str, tuple[int, int]] = {}  # job record key -> (size, mtime_ns) last put
+        self.refused = ""  # why the newest tag was not uploaded (over the limit), until a newer one is
         self.failures = 0
         self.next_try = 0.0
         self.status: dict = {"uploaded_step": None, "local_step": None, "committed_step": None, "lag_steps": None,
@@ -155,7 +184,7 @@ class Uploader:
             if self.settings.commits():
                 self.commit_and_prune()
             self.upload_records()
-            self.failures, self.status["error"] = 0, ""
+            self.failures, self.status["error"] = 0, self.refused
         except Exception as err:  # noqa: BLE001 - the store being away never stops training: retry with backoff
             self.failures += 1
             self.status["failures"] += 1
@@ -189,38 +218,52 @@ class Uploader:
             self.status["uploaded_step"] = checkpoints.step_of(tag)
             return
         started = time.monotonic()
-        files = {relpath: self.upload_file(tag, relpath, size)
-                 for relpath, size in checkpoints.files_of(self.settings.checkpoint_dir, tag).items()}
-        if not files and not self.settings.checkpoint_dir.is_dir(tag):
+        layout = checkpoints.how_sent(self.settings.checkpoint_dir, tag)
+        if not layout and not self.settings.checkpoint_dir.is_dir(tag):
             raise TagChanged(f"{tag}: gone before its upload began")
+        data = sum(sent.data for sent in layout.values())
+        if data > self.settings.max_part_bytes:
+            self.refuse(tag, data)
+            return
+        for relpath, sent in layout.items():
+            if sent.link is None:
+                self.upload_file(tag, relpath, sent)
         manifest = {"tag": tag, "step": checkpoints.step_of(tag), "node": self.settings.node,
-                    "nodes": self.settings.nodes, "files": files,
+                    "nodes": self.settings.nodes, **checkpoints.layout_record(layout),
                     "latest_at_root": checkpoints.latest(self.settings.checkpoint_dir) == tag}
         self.put_json(manifest_key, manifest)
-        seconds, sent = time.monotonic() - started, sum(files.values())
-        self.uploaded = tag
+        seconds, sent = time.monotonic() - started, data
+        self.uploaded, self.refused = tag, ""
         self.status.update(uploaded_step=checkpoints.step_of(tag), bytes=sent, seconds=round(seconds, 3),
                            bytes_per_s=round(sent / seconds) if seconds > 0 else None)
-        log(f"uploaded {tag} (node {self.settings.node}'s part: {len(files)} files, {sent / 1e6:.1f} MB in "
+        log(f"uploaded {tag} (node {self.settings.node}'s part: {len(layout)} files, {sent / 1e6:.1f} MB in "
             f"{seconds:.1f}s)")
 
-    def upload_file(self, tag: str, relpath: str, listed: int) -> int:
-        """One file of the tag, streamed; its size checked before and after. A file that is gone, no longer regular,
-        or of another size means the tag changed under the upload (a rotation deleted it, a retry rewrote it): that
-        tag is never committed."""
+    def refuse(self, tag: str, data: int) -> None:
+        """A part over the limit is not uploaded (nor is its tag committed); said once per tag."""
+        self.uploaded = tag
+        self.refused = (f"{tag} not uploaded: node {self.settings.node}'s part holds {data / 2**30:.1f} GiB of data "
+                        f"(each file once, holes left out), over checkpoints.objectStore.maxPartGiB "
+                        f"({self.settings.max_part_bytes / 2**30:g}); the bucket keeps its older committed tags")
+        log(self.refused)
+
+    def upload_file(self, tag: str, relpath: str, sent: "checkpoints.Sent") -> None:
+        """One file of the tag, streamed (its data regions only, where it has holes); its size checked before and
+        after. A file that is gone, no longer regular, or of another size means the tag changed under the upload
+        (a rotation deleted it, a retry rewrote it): that tag is never committed."""
         stream = self.settings.checkpoint_dir.open_stream(f"{tag}/{relpath}")
         if stream is None:
             raise TagChanged(f"{tag}: {relpath} went away while it was uploading")
         with stream:
             size = os.fstat(stream.fileno()).st_size
-            if size != listed:
-                raise TagChanged(f"{tag}: {relpath} changed size while it was uploading ({listed} -> {size} bytes)")
+            if size != sent.size:
+                raise TagChanged(f"{tag}: {relpath} changed size while it was uploading ({sent.size} -> {size} bytes)")
+            body = Regions(stream, sent.regions) if sent.regions is not None else stream
             self.store.put_object(self.settings.bucket, self.key("checkpoints", tag, "parts", str(self.settings.node),
                                                                   relpath),
-                                  stream, length=size, part_size=PART_SIZE, num_parallel_uploads=PARALLEL)
+                                  body, length=sent.data, part_size=PART_SIZE, num_parallel_uploads=PARALLEL)
             if os.fstat(stream.fileno()).st_size != size:
                 raise TagChanged(f"{tag}: {relpath} changed size while it was uploading")
-        return size
 
     def exists(self, key: str) -> bool:
         from minio.error import S3Error  # noqa: PLC0415
@@ -317,9 +360,11 @@ class Uploader:
             stop.wait(POLL_S)
 
 
-def download(store, settings: Settings, prefix: str, target: Tree, under: str) -> int:
+def download(store, settings: Settings, prefix: str, target: Tree, under: str,
+             layout: dict[str, "checkpoints.Sent"] | None = None) -> int:
     """Every object under `prefix` into target/under (each relative path checked component by component: nothing
-    lands outside it, nothing is written through a link); bytes."""
+    lands outside it, nothing is written through a link); bytes. An object of a file with holes (its `layout`'s
+    regions) is written back at its regions' offsets."""
     total = 0
     for item in store.list_objects(settings.bucket, prefix=prefix, recursive=True):
         relpath = item.object_name[len(prefix):]
@@ -331,14 +376,39 @@ def download(store, settings: Settings, prefix: str, target: Tree, under: str) -
         response = store.get_object(settings.bucket, item.object_name)
         try:
             with out:
-                for chunk in response.stream(CHUNK):
-                    out.write(chunk)
-                    total += len(chunk)
+                sent = (layout or {}).get(relpath)
+                if sent is not None and sent.regions is not None:
+                    total += write_regions(out, response.stream(CHUNK), sent.regions, sent.size, item.object_name)
+                else:
+                    for chunk in response.stream(CHUNK):
+                        out.write(chunk)
+                        total += len(chunk)
                 out.flush()
                 os.fsync(out.fileno())
         finally:
             response.close()
             response.release_conn()
+    return total
+
+
+def write_regions(out, chunks, regions: tuple[tuple[int, int], ...], size: int, name: str) -> int:
+    """The object of a file with holes written back at its data regions' offsets, the file then as long as it was;
+    its bytes. An object longer or shorter than its regions is refused."""
+    pending, left, total = list(regions), 0, 0
+    for chunk in chunks:
+        total += len(chunk)
+        while chunk:
+            if not left:
+                if not pending:
+                    raise StoreError(f"object {name!r}: longer than its manifest's data regions")
+                offset, left = pending.pop(0)
+                out.seek(offset)
+            piece = chunk[:left]
+            out.write(piece)
+            chunk, left = chunk[len(piece):], left - len(piece)
+    if left or pending:
+        raise StoreError(f"object {name!r}: shorter than its manifest's data regions")
+    out.truncate(size)
     return total
 
 
@@ -352,10 +422,17 @@ def restore_parts(store, settings: Settings, uploader: Uploader, tag: str, nodes
     for node in [settings.node] if settings.per_worker else sorted(range(nodes), reverse=True):
         part = uploader.get_json(uploader.key("checkpoints", tag, "parts", f"{node}.json"))
         latest_at_root = latest_at_root or part.get("latest_at_root") is True
+        layout = checkpoints.layout_of(part) if isinstance(part.get("files"), dict) else {}
+        if layout is None:
+            raise StoreError(f"{tag}: node {node}'s manifest in the bucket lists links or data regions that do not fit "
+                             "its files: not restored")
         part_dir = f"{staging}.{node}"
         volume.remove(part_dir)
         total += download(store, settings, uploader.key("checkpoints", tag, "parts", str(node)) + "/", volume,
-                          part_dir)
+                          part_dir, layout)
+        for relpath, sent in layout.items():  # each inode was sent once: its other names linked to it again
+            if sent.link is not None and not volume.link(f"{part_dir}/{sent.link}", f"{part_dir}/{relpath}"):
+                raise StoreError(f"{volume.path(part_dir)}/{relpath}: cannot be linked to {sent.link}")
         manifest = volume.read_json(f"{part_dir}/{checkpoints.COMMIT_FILE}", checkpoints.MAX_COMMIT_BYTES)
         if manifest and isinstance(manifest.get("files"), dict):
             manifests.append(manifest)

@@ -4,9 +4,9 @@ complete part of a checkpoint is also kept on one other worker's volume, a ring 
 checkpoint.
 
 - The keeper (Keeper: a thread of each worker's loop, nossh, or agent, ssh, on DS_PEER_COPY_PORT) takes the part its
-  ring neighbour sends and keeps one copy, in <volume>/_job/peer/<node>/<tag>/ with copy.json (the files and their
-  sizes) written after it: a cut copy (.incoming-<tag>) is never held. It serves that copy back to a new pod of that
-  worker.
+  ring neighbour sends and keeps one copy, in <volume>/_job/peer/<node>/<tag>/ with copy.json (the files, their
+  sizes, links and data regions: checkpoints.layout_record) written after it: a cut copy (.incoming-<tag>) is never
+  held. It serves that copy back to a new pod of that worker.
 - The sender (Replicator, a thread beside it) sends this volume's newest complete tag (checkpoints.complete_tags)
   once it is committed, in the background, one copy in flight; it asks its keeper what it holds from time to time
   and sends again when the keeper lost it (a new pod). After a SIGTERM it sends the stop's checkpoint within the
@@ -19,8 +19,9 @@ checkpoint.
   one.
 
 Wire: one request per TCP connection: a JSON line ({v: protocol.VERSION, m, release, node, ...}); the answer is a JSON
-line; a `put` is answered `ready` before its files' bytes follow (in the order its header lists them) and then `ok`;
-a `get` is answered with the files' list and their bytes. What a keeper receives is a tenant's checkpoint: written
+line; a `put` is answered `ready` before its files' data follow (in the order its header lists them; what the volume
+holds, checkpoints.how_sent: a hard link once, a file's data regions only) and then `ok`; a `get` is answered with the
+files' list and their data. What a keeper receives is a tenant's checkpoint: written
 through tenantfiles.Tree (no link followed, nothing outside the copy's directory, regular files only), its sizes
 checked, refused whole when it would not leave ROOM_MARGIN free. Only the release's own pods reach the port (the
 chart's NetworkPolicy; without it the chart turns the peer copy off).
@@ -147,36 +148,58 @@ def valid_tag(tag) -> str | None:
     return tag if isinstance(tag, str) and checkpoints.is_tag_name(tag) else None
 
 
-def send_files(sock: socket.socket, volume: Tree, base: str, files: dict[str, int]) -> int:
-    """Each file's bytes, in order (sendfile: no copy through Python); PeerError when one changed meanwhile."""
-    for relpath, size in files.items():
+def spans(sent: "checkpoints.Sent") -> tuple[tuple[int, int], ...]:
+    """The (offset, length) spans of a file that are sent: its data regions, or the whole file."""
+    return sent.regions if sent.regions is not None else ((0, sent.size),) if sent.size else ()
+
+
+def send_files(sock: socket.socket, volume: Tree, base: str, layout: dict[str, "checkpoints.Sent"]) -> int:
+    """Each file's data, in order (sendfile: no copy through Python; a hard link is not sent again, a file's holes
+    not at all); PeerError when one changed meanwhile."""
+    for relpath, sent in layout.items():
+        if sent.link is not None:
+            continue
         stream = volume.open_stream(f"{base}/{relpath}")
         if stream is None:
             raise PeerError(f"{base}/{relpath} went away while it was being copied")
         with stream:
-            if os.fstat(stream.fileno()).st_size != size or (size and sock.sendfile(stream, 0, size) != size):
+            if os.fstat(stream.fileno()).st_size != sent.size or any(
+                    sock.sendfile(stream, offset, length) != length for offset, length in spans(sent)):
                 raise PeerError(f"{base}/{relpath} changed size while it was being copied")
-    return sum(files.values())
+    return sum(sent.data for sent in layout.values())
 
 
-def receive_files(reader, volume: Tree, base: str, files: dict[str, int]) -> int:
-    """Each file's bytes into base/<path> (new files only: nothing there is written through), fsync'd;
-    PeerError when the stream is cut or a file cannot be made."""
-    for relpath, size in files.items():
+def receive_files(reader, volume: Tree, base: str, layout: dict[str, "checkpoints.Sent"]) -> int:
+    """Each file's data into base/<path> (new files only: nothing there is written through), its holes made again,
+    then its hard links; fsync'd. PeerError when the stream is cut or a file cannot be made."""
+    for relpath, sent in layout.items():
+        if sent.link is not None:
+            continue
         out = volume.create(f"{base}/{relpath}")
         if out is None:
             raise PeerError(f"{volume.path(base)}/{relpath}: cannot be written ({volume.error})")
         with out:
-            left = size
-            while left:
-                chunk = reader.read(min(CHUNK, left))
-                if not chunk:
-                    raise PeerError(f"the copy was cut at {relpath} ({size - left} of {size} bytes)")
-                out.write(chunk)
-                left -= len(chunk)
+            for offset, length in spans(sent):
+                out.seek(offset)
+                left = length
+                while left:
+                    chunk = reader.read(min(CHUNK, left))
+                    if not chunk:
+                        raise PeerError(f"the copy was cut at {relpath} ({length - left} of {length} bytes)")
+                    out.write(chunk)
+                    left -= len(chunk)
+            out.truncate(sent.size)
             out.flush()
             os.fsync(out.fileno())
-    return sum(files.values())
+    for relpath, sent in layout.items():
+        if sent.link is not None and not volume.link(f"{base}/{sent.link}", f"{base}/{relpath}"):
+            raise PeerError(f"{volume.path(base)}/{relpath}: cannot be linked to {sent.link} ({volume.error})")
+    return sum(sent.data for sent in layout.values())
+
+
+def valid_layout(record: dict) -> dict[str, "checkpoints.Sent"] | None:
+    """A copy's layout from its header or record (checkpoints.layout_record: files, links, regions), typed."""
+    return checkpoints.layout_of(record) if valid_files(record.get("files")) is not None else None
 
 
 def held_copy(volume: Tree, node: int) -> tuple[str | None, dict]:
@@ -249,10 +272,11 @@ class Keeper:
         return {"ok": False, "why": "not a request of the peer copy"}
 
     def receive(self, node: int, request: dict, reader, conn: socket.socket) -> dict | None:
-        tag, files = valid_tag(request.get("tag")), valid_files(request.get("files"))
-        if tag is None or files is None:
-            return {"ok": False, "why": "a copy is a tag name and its files' relative paths and sizes"}
-        total, free = sum(files.values()), self.volume.free_bytes()
+        tag, layout = valid_tag(request.get("tag")), valid_layout(request)
+        if tag is None or layout is None:
+            return {"ok": False, "why": "a copy is a tag name and its files' relative paths and sizes (their links "
+                                        "and data regions fitting them)"}
+        total, free = sum(sent.data for sent in layout.values()), self.volume.free_bytes()
         if free is None or total + ROOM_MARGIN > free:
             why = (f"{self.volume.path()} on worker {self.ring.node} has {mib(free or 0)} free; worker {node}'s part "
                    f"of {tag} is {mib(total)} and {mib(ROOM_MARGIN)} stay free for this worker's own saves")
@@ -266,12 +290,12 @@ class Keeper:
             conn.sendall(line("ready"))
             started = time.monotonic()
             try:
-                receive_files(reader, self.volume, staging, files)
+                receive_files(reader, self.volume, staging, layout)
             except (PeerError, OSError) as err:
                 self.volume.remove(staging)
                 log(f"worker {node}'s copy of {tag} not kept: {err}")
                 return None
-            record = {"tag": tag, "step": checkpoints.step_of(tag), "node": node, "files": files,
+            record = {"tag": tag, "step": checkpoints.step_of(tag), "node": node, **checkpoints.layout_record(layout),
                       "latest_at_root": request.get("latest_at_root") is True, "time": time.time()}
             if not (self.volume.remove(f"{base}/{tag}") and self.volume.rename(staging, f"{base}/{tag}")
                     and self.volume.write(f"{base}/{RECORD}", json.dumps(record))):
@@ -282,18 +306,19 @@ class Keeper:
                 if name not in (tag, RECORD):
                     self.volume.remove(f"{base}/{name}")
         seconds = time.monotonic() - started
-        log(f"keeping worker {node}'s part of {tag} ({len(files)} files, {mib(total)} in {seconds:.1f}s)")
+        log(f"keeping worker {node}'s part of {tag} ({len(layout)} files, {mib(total)} in {seconds:.1f}s)")
         return {"ok": True, "tag": tag}
 
     def give(self, node: int, request: dict, conn: socket.socket) -> dict | None:
         tag, record = held_copy(self.volume, node)
-        if tag is None or request.get("tag") != tag:
+        layout = valid_layout(record) if tag is not None else None
+        if tag is None or layout is None or request.get("tag") != tag:
             return {"ok": False, "why": f"worker {self.ring.node} keeps {tag or 'no copy'} of worker {node}'s part, "
                                         f"not {clean(request.get('tag'), 140)}"}
-        conn.sendall(line("ok", ok=True, tag=tag, files=record["files"],
+        conn.sendall(line("ok", ok=True, tag=tag, **checkpoints.layout_record(layout),
                           latest_at_root=record.get("latest_at_root") is True))
         try:
-            send_files(conn, self.volume, f"{COPIES}/{node}/{tag}", record["files"])
+            send_files(conn, self.volume, f"{COPIES}/{node}/{tag}", layout)
         except (PeerError, OSError) as err:
             log(f"giving worker {node} its part of {tag} back failed: {err}")
         return None
@@ -325,14 +350,14 @@ def ask_holds(ring: Ring) -> str | None:
 
 def send_part(ring: Ring, volume: Tree, tag: str) -> int:
     """This worker's part of `tag` to its keeper; its bytes."""
-    files = checkpoints.files_of(volume, tag)
-    if not files:
+    layout = checkpoints.how_sent(volume, tag)
+    if not layout:
         raise PeerError(f"{volume.path(tag)}: gone before its copy began")
-    sock, reader = request(ring, "put", tag=tag, files=files,
+    sock, reader = request(ring, "put", tag=tag, **checkpoints.layout_record(layout),
                            latest_at_root=checkpoints.latest(volume) == tag)
     with sock, reader:
         answer_of(ring, reader)  # ready
-        sent = send_files(sock, volume, tag, files)
+        sent = send_files(sock, volume, tag, layout)
         answer_of(ring, reader)
     return sent
 
@@ -343,14 +368,14 @@ def fetch(ring: Ring, volume: Tree, tag: str) -> tuple[int, bool]:
     sock, reader = request(ring, "get", tag=tag)
     with sock, reader:
         found = answer_of(ring, reader)
-        files = valid_files(found.get("files"))
-        if files is None or found.get("tag") != tag:
+        layout = valid_layout(found)
+        if layout is None or found.get("tag") != tag:
             raise PeerError(f"worker {ring.keeper} answered no list of {tag}'s files")
         staging = f"{FETCHING}{tag}"
         if not volume.mkdir() or not volume.remove(staging):
             raise PeerError(f"{volume.path(staging)}: cannot be cleared ({volume.error})")
         try:
-            total = receive_files(reader, volume, staging, files)
+            total = receive_files(reader, volume, staging, layout)
         except (PeerError, OSError):
             volume.remove(staging)
             raise

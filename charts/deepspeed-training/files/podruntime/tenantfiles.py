@@ -11,9 +11,9 @@ hostile input to the platform's containers, which hold the token and the bucket'
   to a bound; JSON is bounded in size and depth as well. Nothing raises: a refused record is None, and why is said
   once (a missing one is simply None).
 - Checkpoint files: `open_stream` opens them the same way for the uploader, which checks their size again after.
-- Writes (`write`, `mkdir`, `rename`, `remove`): beneath the root, through directory descriptors; a file is replaced
-  whole through a fresh temporary name (a planted link is replaced, never written through), a tree is removed
-  without following links. They return whether they succeeded; what failed is said once.
+- Writes (`write`, `mkdir`, `rename`, `link`, `remove`): beneath the root, through directory descriptors; a file is
+  replaced whole through a fresh temporary name (a planted link is replaced, never written through), a tree is
+  removed without following links. They return whether they succeeded; what failed is said once.
 
 Every pod program opens what lies under those directories through this module and no other way (a test reads the
 package's code for it); /proc, /sys and the termination log are host.py's.
@@ -420,6 +420,26 @@ class Tree:
             return True
         except OSError as err:
             self._say(target, f"cannot be renamed from {source} ({err.strerror})")
+            return False
+        finally:
+            for found in (src, dst):
+                if found is not None:
+                    os.close(found[0])
+
+    def link(self, source, target) -> bool:
+        """A hard link at target (a new name: nothing there is replaced) to the regular file at source, both
+        beneath the root; neither is followed if it is a link."""
+        src, dst = self._parent(source), self._parent(target, create=True)
+        try:
+            if src is None or dst is None:
+                return False
+            if not stat.S_ISREG(os.stat(src[1], dir_fd=src[0], follow_symlinks=False).st_mode):
+                self._say(source, "not a regular file: not linked")
+                return False
+            os.link(src[1], dst[1], src_dir_fd=src[0], dst_dir_fd=dst[0], follow_symlinks=False)
+            return True
+        except OSError as err:
+            self._say(target, f"cannot be linked to {source} ({err.strerror})")
             return False
         finally:
             for found in (src, dst):
