@@ -311,6 +311,32 @@ def test_the_bucket_gets_what_the_volume_holds_once_per_inode_and_a_part_over_th
         assert not list((tmp_path / "hostile").glob("step_*"))
 
 
+def test_the_jobs_records_in_the_bucket_are_pruned_as_on_the_volume_and_bounded(gateway, tmp_path):
+    """The goodput records lie on the checkpoint volume, which the program writes: a file over the cap there is not
+    mirrored, and a job's records pruned on the volume go from the bucket too."""
+    bucket = s3.new_bucket(gateway)
+    directory = tmp_path / "ckpt"
+    goodput = directory / "_job" / "goodput"
+    for job in ("old", "new"):
+        (goodput / job).mkdir(parents=True)
+        (goodput / job / "00000000000001-0001.json").write_text('{"begun": 1}')
+    (goodput / "new" / "huge.json").write_bytes(b"x" * (objectstore.RECORD_BYTES + 1))
+    uploader = objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory))))
+
+    def mirrored() -> list[str]:
+        return sorted(o.object_name.removeprefix("ml/job/job/goodput/") for o in s3.client(gateway).list_objects(
+            bucket, prefix="ml/job/job/goodput/", recursive=True))
+
+    uploader.step()
+    assert mirrored() == ["new/00000000000001-0001.json", "old/00000000000001-0001.json"]
+    shutil.rmtree(goodput / "old")  # what Goodput's pruning does (protocol.KEEP_JOBS)
+    uploader.step()
+    assert mirrored() == ["new/00000000000001-0001.json"]
+    shutil.rmtree(goodput)  # an empty (or unreadable) tree is not mirrored as nothing
+    uploader.step()
+    assert mirrored() == ["new/00000000000001-0001.json"]
+
+
 @pytest.mark.parametrize("case", ["bucket", "keys", "endpoint", "tls without the CA", "tls"])
 def test_a_store_the_pods_cannot_use_is_refused_before_any_rank_in_one_line_naming_the_value(gateway, case):
     bucket = s3.new_bucket(gateway)

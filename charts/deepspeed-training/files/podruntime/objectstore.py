@@ -52,6 +52,7 @@ POLL_S = 2.0
 BACKOFF_MAX_S = 60.0
 CHUNK = 1 << 20
 RESTORING = ".restoring-"  # a download in progress: renamed into place when whole
+RECORD_BYTES, RECORDS_BYTES, RECORDS_FILES = 1 << 20, 64 << 20, 10_000  # the job's records mirrored, per kind
 
 log = Log("objectstore", stream=sys.stderr)  # the uploads' lines, and why a check or a restore failed
 said = Log("objectstore")  # what a check or a restore did
@@ -166,6 +167,7 @@ class Uploader:
         self.store = store or client(settings)
         self.uploaded: str | None = None  # the newest tag this pod's part was put for
         self.records: dict[str, tuple[int, int]] = {}  # job record key -> (size, mtime_ns) last put
+        self.mirrored: dict[str, set[str]] = {}  # kind -> the record keys the bucket holds after the last pruning
         self.refused = ""  # why the newest tag was not uploaded (over the limit), until a newer one is
         self.failures = 0
         self.next_try = 0.0
@@ -336,10 +338,20 @@ class Uploader:
             log(f"could not remove {error.name}: {error.message}")
 
     def upload_records(self) -> None:
-        """The job's records this pod keeps, mirrored on change: the ledger (its owner's), goodput (node 0's)."""
+        """The job's records this pod keeps, mirrored on change: the ledger (its owner's), goodput (node 0's). A
+        mirror, pruned as the volume is (each kind has one writer); bounded: the goodput records lie on a volume the
+        tenant's program writes."""
         for kind, local in self.record_trees():
-            for relpath, info in local.files().items():
+            kept, total = set(), 0
+            for relpath, info in local.files(limit=RECORDS_FILES).items():
                 key = self.key("job", kind, relpath)
+                total += info.st_size
+                if info.st_size > RECORD_BYTES or total > RECORDS_BYTES:
+                    log.once(f"records {key}", f"{local.path(relpath)}: not mirrored to the bucket (a record is at "
+                                               f"most {RECORD_BYTES >> 20} MiB, the job's {kind} records together "
+                                               f"{RECORDS_BYTES >> 20} MiB)")
+                    continue
+                kept.add(key)
                 if self.records.get(key) == (info.st_size, info.st_mtime_ns):
                     continue
                 stream = local.open_stream(relpath)
@@ -349,6 +361,15 @@ class Uploader:
                     self.store.put_object(self.settings.bucket, key, stream,
                                           length=os.fstat(stream.fileno()).st_size)
                 self.records[key] = (info.st_size, info.st_mtime_ns)
+            # Something was added or went: the bucket's copy pruned to match (never to nothing: an empty or unreadable
+            # tree is a fault to outlive, not a state to mirror).
+            if kept and kept != self.mirrored.get(kind):
+                for item in self.store.list_objects(self.settings.bucket, prefix=self.key("job", kind) + "/",
+                                                    recursive=True):
+                    if item.object_name not in kept:
+                        self.store.remove_object(self.settings.bucket, item.object_name)
+                        self.records.pop(item.object_name, None)
+                self.mirrored[kind] = kept
 
     def record_trees(self) -> list[tuple[str, Tree]]:
         trees = [(protocol.ATTEMPTS, self.settings.attempts), (protocol.GOODPUT, self.settings.goodput())]
