@@ -106,10 +106,10 @@ undeploy: ## helm uninstall the release (the SSH key Secret is kept for a later 
 	$(DEPLOYCTL) undeploy
 
 .PHONY: status
-status: ## Where the release's run stands: its progress ConfigMap (step, loss, ETA, attempt, state and reason).
+status: ## Where the release's run stands: its progress ConfigMap (step, loss, ETA, attempt, state and reason); WATCH=1 follows it until the run ends.
 	$(require-env)
 	$(require-project)
-	$(DEPLOYCTL) status
+	$(DEPLOYCTL) status $(if $(WATCH),--watch)
 
 .PHONY: why
 why: ## Why the run stands where it does: each attempt's cause and time, the budget left, the culprit and its stacks, the last checkpoint.
@@ -120,11 +120,11 @@ why: ## Why the run stands where it does: each attempt's cause and time, the bud
 .PHONY: logs
 logs: export RANK := $(RANK)
 logs: export ATTEMPT := $(ATTEMPT)
-logs: ## One global rank's lines (RANK=N, ATTEMPT=k for one attempt), from the pod log that holds them.
+logs: ## One global rank's lines (RANK=N, ATTEMPT=k for one attempt), from the pod log that holds them; FOLLOW=1 follows them.
 	$(require-env)
 	$(require-project)
 	$(if $(RANK),,$(error RANK is required: `make logs ENV=$(or $(ENV),prod) PROJECT=$(or $(PROJECT),example) RANK=0 [ATTEMPT=2]`))
-	$(DEPLOYCTL) logs --rank "$$RANK" $(if $(ATTEMPT),--attempt "$$ATTEMPT")
+	$(DEPLOYCTL) logs --rank "$$RANK" $(if $(ATTEMPT),--attempt "$$ATTEMPT") $(if $(FOLLOW),--follow)
 
 .PHONY: demo
 demo: setup ## No cluster needed: render ENV=dev and run its ds_config and train args as a local 2-rank CPU job.

@@ -256,6 +256,16 @@ def test_status_reads_the_release_progress_configmap_or_says_in_one_line_why_not
                        capsys=capsys)
     assert code == 1 and err.count("\n") == 1
     assert err.startswith("error: cannot read ml-dev/example-deepspeed-training-progress: ConfigException:"), err
+    code, out, _ = run("logs", "--env", "dev", "--project", "example", "--rank", "1", "--follow", "--dry-run",
+                       capsys=capsys)
+    assert code == 0 and out.startswith("+ rank 1: the launcher's log (pdsh relays every rank there), in ml-dev, "
+                                        "followed"), out
+    # WATCH=1: the same look, followed (kubectl's own words for it), and the same one line without a cluster.
+    code, out, _ = run("status", "--env", "dev", "--project", "example", "--dry-run", "--watch", capsys=capsys)
+    assert code == 0 and "get configmap example-deepspeed-training-progress --watch -o" in out, out
+    code, _, err = run("status", "--env", "dev", "--project", "example", "--kube-context", "kind-dev", "--watch",
+                       capsys=capsys)
+    assert code == 1 and err.startswith("error: cannot read ml-dev/example-deepspeed-training-progress:"), err
 
 
 def test_plan_says_where_checkpoints_live_and_what_the_peer_copy_costs(tree, capsys):

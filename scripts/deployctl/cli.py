@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", action="store_true", help="helm --wait")
     parser.add_argument("--rank", type=count_arg, default=None, help="logs: the global rank whose lines to print")
     parser.add_argument("--attempt", type=count_arg, default=None, help="logs: only this attempt's lines")
+    parser.add_argument("--watch", action="store_true", help="status: the summary at every change, until the run ends")
+    parser.add_argument("--follow", action="store_true", help="logs: the rank's lines as they come, until its pod ends")
     args = parser.parse_args(argv)
     read_only = args.command in READ_ONLY
     if not read_only:
@@ -69,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         cluster_cmd = args.command in ("deploy", "diff", "undeploy", "status", "why", "logs")
         context = kube_context(r, args.kube_context, need_cluster=cluster_cmd and not args.dry_run)
         if args.command == "status":
-            return status(r, context, args.dry_run, manifests)
+            return status(r, context, args.dry_run, manifests, follow=args.watch)
         if args.command == "why":
             return why(r, context, args.dry_run, manifests)
         if args.command == "logs":
             if args.rank is None:
                 raise DeployError("make logs needs RANK: `make logs ENV=... PROJECT=... RANK=0 [ATTEMPT=2]`")
-            return logs(r, context, args.dry_run, manifests, args.rank, args.attempt)
+            return logs(r, context, args.dry_run, manifests, args.rank, args.attempt, follow=args.follow)
         print(plan(r, context, manifests), flush=True)
         if args.command == "plan":
             return 0

@@ -5,6 +5,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+import time
 
 from scripts.deployctl.common import DeployError, manifest_docs
 from scripts.deployctl.helm import release_name
@@ -23,16 +25,18 @@ def kube_context(r: Rendered, requested: str | None, need_cluster: bool) -> str 
     return context
 
 
-def status(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> int:
+def status(r: Rendered, context: str | None, dry_run: bool, manifests: str, follow: bool = False) -> int:
     """Where the release's run stands: its progress ConfigMap (the chart's progress sidecars keep it), read with
-    the kubernetes client."""
+    the kubernetes client; `follow` (make status WATCH=1): its summary line again at every change, until the run
+    ends (exit 0 when it completed, 1 when it failed) or Ctrl-C."""
     names = [doc["metadata"]["name"] for doc in manifest_docs(manifests)
              if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-progress")]
     if not names:
         raise DeployError(f"release {release_name(r)} renders no progress ConfigMap (progress.enabled is false)")
     namespace = r.settings["deploy"]["namespace"]
     print("+ " + shlex.join(["kubectl", *(["--context", context] if context else []), "--namespace", namespace,
-                             "get", "configmap", names[0], "-o", "jsonpath={.data.summary}"]), flush=True)
+                             "get", "configmap", names[0], *(["--watch"] if follow else []), "-o",
+                             "jsonpath={.data.summary}"]), flush=True)
     if dry_run:
         return 0
     from kubernetes import client, config  # noqa: PLC0415 - only for a cluster command
@@ -40,14 +44,75 @@ def status(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> i
 
     try:
         config.load_kube_config(context=context)
-        data = client.CoreV1Api().read_namespaced_config_map(names[0], namespace).data or {}
+        api = client.CoreV1Api()
+        if follow:
+            return watch_progress(api, namespace, names[0])
+        data = api.read_namespaced_config_map(names[0], namespace).data or {}
     except ApiException as err:
         raise DeployError(f"{namespace}/{names[0]}: {err.status} {err.reason} (is release {release_name(r)} "
                           "installed?)") from None
+    except KeyboardInterrupt:
+        print(flush=True)
+        return 130
+    except DeployError:
+        raise
     except Exception as err:  # no kubeconfig, no cluster: one line
         raise DeployError(f"cannot read {namespace}/{names[0]}: {type(err).__name__}: {err}") from None
     print(progress_text(data))
     return 0
+
+
+ENDED = {"done": 0, "failed": 1}  # the job's final states in the progress ConfigMap (the ledger's VERDICT) and exit
+WATCH_S = 300  # one watch request's length; the next one goes on from the last version seen
+SETTLE_S = 5  # after the final state, the last words (rank 0's keys reach the summary a beat later; writes every 2 s)
+
+
+def watch_progress(api, namespace: str, name: str) -> int:
+    """The ConfigMap's summary at each change (its sidecar writes it at most every 2 s): on a terminal one line
+    rewritten in place, cut to the terminal's width; otherwise a plain line per change. Ends with the run, once
+    its final state has said its last words (its summary the same for SETTLE_S: the sidecars rewrite other fields,
+    times, every few seconds)."""
+    from kubernetes import watch  # noqa: PLC0415
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+    live, shown, version, ended, changed = sys.stdout.isatty(), None, None, None, time.monotonic()
+    while True:
+        settling = ended is not None  # this request only waits out SETTLE_S after the final state
+        if version is None:  # a fresh start: what it says now, and the version to watch from
+            found = api.read_namespaced_config_map(name, namespace)
+            events = [{"type": "MODIFIED", "object": found}]
+            version = found.metadata.resource_version
+        else:
+            events = watch.Watch().stream(api.list_namespaced_config_map, namespace, field_selector=f"metadata.name="
+                                          f"{name}", resource_version=version,
+                                          timeout_seconds=SETTLE_S if settling else WATCH_S)
+        try:
+            for event in events:
+                if event["type"] == "DELETED":
+                    raise DeployError(f"{namespace}/{name}: deleted while watched (the release uninstalled?)")
+                found = event["object"]
+                version = found.metadata.resource_version
+                data = found.data or {}
+                line = printable(data.get("summary", "(no summary yet)"), 1000)
+                if line != shown:
+                    if live:
+                        width = shutil.get_terminal_size().columns - 1
+                        print("\r\033[K" + (line if len(line) <= width else line[:width - 1] + "…"), end="",
+                              flush=True)
+                    else:
+                        print(line, flush=True)
+                    shown, changed = line, time.monotonic()
+                ended = ENDED.get(data.get("state"))  # None again if a new attempt began meanwhile
+                if ended is not None and (not settling or time.monotonic() - changed >= SETTLE_S):
+                    break  # to a request that ends within SETTLE_S, or to the end
+        except ApiException as err:  # a request with a timeout is not retried on a 410 by the client
+            if err.status != 410:  # 410 Gone: the version is too old to watch from; read it afresh
+                raise
+            version = None
+        if ended is not None and time.monotonic() - changed >= SETTLE_S:
+            if live:
+                print(flush=True)
+            return ended
 
 
 # What a terminal must not receive from the cluster: control characters (C0, DEL, C1: escape sequences that clear the

@@ -338,18 +338,44 @@ def rank_lines(text: str, rank: int, attempt: int | None) -> list[str]:
             and (attempt is None or tag[1] == attempt)]
 
 
+def rank_pods(core, release: Release, rank: int) -> list:
+    """The pods whose log holds global rank `rank`'s lines, oldest first: ssh, the launcher's (pdsh relays every rank
+    there); nossh, its worker's (rank // ranks per worker)."""
+    if release.mode == "ssh":
+        selector = "app.kubernetes.io/component=launcher"
+    else:
+        selector = f"batch.kubernetes.io/job-completion-index={rank // release.ranks_per_worker}"
+    return sorted(core.list_namespaced_pod(release.namespace, label_selector=f"{selector},app.kubernetes.io/instance="
+                                           f"{release.name}").items, key=lambda pod: pod.metadata.creation_timestamp)
+
+
+def follow_rank(core, release: Release, rank: int, attempt: int | None) -> int:
+    """`make logs FOLLOW=1`: the rank's lines in the newest pod that holds them, from its start and as they come,
+    until that container ends (its exit: 0 when it succeeded)."""
+    from kubernetes import watch  # noqa: PLC0415
+
+    pods = rank_pods(core, release, rank)
+    if not pods:
+        raise DeployError(f"no pod of release {release.name} holds rank {rank}'s log yet (is it installed?)")
+    pod = pods[-1]
+    main = pod.spec.containers[0].name
+    print(f"== pod {printable(pod.metadata.name)}, container {printable(main)}: following", flush=True)
+    for line in watch.Watch().stream(core.read_namespaced_pod_log, pod.metadata.name, release.namespace,
+                                     container=main, follow=True):
+        for kept in rank_lines(line, rank, attempt):
+            print(printable(kept, 4000), flush=True)
+    ended = core.read_namespaced_pod(pod.metadata.name, release.namespace).status.container_statuses or []
+    state = next((c.state.terminated for c in ended if c.name == main and c.state), None)
+    return 0 if state is None or state.exit_code == 0 else 1
+
+
 def rank_log(core, release: Release, rank: int, attempt: int | None) -> list[str]:
     """Global rank `rank`'s lines (of attempt `attempt`, or all), under a header per pod log that holds them: ssh,
     the launcher's (pdsh relays every rank there); nossh, its worker's (rank // ranks per worker). Every pod of that
     role, oldest first, and each container's previous log when it restarted: what the kubelet still keeps."""
     from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
 
-    if release.mode == "ssh":
-        selector = "app.kubernetes.io/component=launcher"
-    else:
-        selector = f"batch.kubernetes.io/job-completion-index={rank // release.ranks_per_worker}"
-    pods = sorted(core.list_namespaced_pod(release.namespace, label_selector=f"{selector},app.kubernetes.io/instance="
-                                           f"{release.name}").items, key=lambda pod: pod.metadata.creation_timestamp)
+    pods = rank_pods(core, release, rank)
     out, found = [], 0
     for pod in pods:
         main = pod.spec.containers[0].name
@@ -372,21 +398,26 @@ def rank_log(core, release: Release, rank: int, attempt: int | None) -> list[str
     return out
 
 
-def logs(r: Rendered, context: str | None, dry_run: bool, manifests: str, rank: int, attempt: int | None) -> int:
+def logs(r: Rendered, context: str | None, dry_run: bool, manifests: str, rank: int, attempt: int | None,
+         follow: bool = False) -> int:
     release = release_of(r, manifests)
     if rank >= r.world_size:
         raise DeployError(f"RANK={rank}: the release has ranks 0 to {r.world_size - 1}")
     where = ("the launcher's log (pdsh relays every rank there)" if release.mode == "ssh"
              else f"worker {rank // release.ranks_per_worker}'s log")
-    print(f"+ rank {rank}" + (f", attempt {attempt}" if attempt else "") + f": {where}, in {release.namespace}",
-          flush=True)
+    print(f"+ rank {rank}" + (f", attempt {attempt}" if attempt else "") + f": {where}, in {release.namespace}"
+          + (", followed" if follow else ""), flush=True)
     if dry_run:
         return 0
     from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
 
     core, _ = api(context)
     try:
+        if follow:
+            return follow_rank(core, release, rank, attempt)
         print("\n".join(rank_log(core, release, rank, attempt)))
+    except KeyboardInterrupt:
+        return 130
     except ApiException as err:
         raise DeployError(f"{release.namespace}: {err.status} {err.reason} (is release {release.name} installed, and "
                           "may you read its pods and their logs?)") from None

@@ -21,7 +21,7 @@ import pytest
 
 from podruntime import protocol
 from scripts.deployctl import why
-from tests.support.chart import CHART, HELM
+from tests.support.chart import CHART, HELM, ROOT
 from tests.support.prometheus import PROMETHEUS, dashboard_queries, query, scraping
 from tests.support.train_run import cpu_ds_config
 
@@ -549,6 +549,12 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     started = time.monotonic()
     install(namespace, steps=60)
     print(f"\nhelm install (config check included) returned in {time.monotonic() - started:.1f}s")
+    # `make status WATCH=1`'s loop, from this API server: a line per change (not a terminal), until the run ends.
+    watching = subprocess.Popen([sys.executable, "-c", "import sys; from kubernetes import client, config; "
+                                 "from scripts.deployctl.cluster import watch_progress; config.load_kube_config(); "
+                                 f"sys.exit(watch_progress(client.CoreV1Api(), {namespace!r}, "
+                                 f"'{RELEASE}-deepspeed-training-progress'))"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     # The config check passed and Helm removed its hook objects.
     assert kubectl("get", "jobs,configmaps,serviceaccounts", "-l", "app.kubernetes.io/component=config-check", "-o",
                    "name", namespace=namespace).strip() == ""
@@ -562,9 +568,22 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
                                  "/probe"], capture_output=True, text=True)
         assert denied.returncode != 0 and "Read-only file system" in denied.stderr
         assert worker_exec(namespace, ordinal, "ls", "/var/run/secrets/kubernetes.io", check=False) == ""
+    # `make logs RANK=0 FOLLOW=1`'s loop: rank 0's lines as they come, until the launcher's container ends.
+    release = (f"why.Release({RELEASE!r}, {namespace!r}, '{RELEASE}-deepspeed-training-progress', 'ssh', "
+               f"[{LAUNCHER!r}], 1, '/checkpoints', workloads=({LAUNCHER!r}, {WORKERS!r}))")  # why_release's
+    following = subprocess.Popen([sys.executable, "-c", "import sys; from kubernetes import client, config; "
+                                  "from scripts.deployctl import why; config.load_kube_config(); "
+                                  f"sys.exit(why.follow_rank(client.CoreV1Api(), {release}, 0, None))"],
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     outcome = wait_for(lambda: job_outcome(namespace), 300, "the launcher Job to finish", lambda: diagnose(namespace))
     logs = kubectl("logs", f"job/{LAUNCHER}", namespace=namespace)
     assert outcome == "Complete", diagnose(namespace)
+    followed, _ = following.communicate(timeout=60)
+    rank0 = followed.splitlines()[1:]
+    assert following.returncode == 0 and followed.startswith(f"== pod {LAUNCHER}-"), \
+        (following.returncode, followed[:2000])
+    assert rank0 and all(re.match(r"(\S+: )?\[rank 0 attempt 1\] ", line) for line in rank0), followed[-3000:]
+    assert any("INFO step 60/60" in line for line in rank0), followed[-3000:]
     assert "wait-for-workers: all 2 workers are reachable" in logs
     assert "INFO step 60/60" in logs
     job = get("job", LAUNCHER, namespace)
@@ -588,6 +607,16 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     assert abs(sum(split.values()) - wall) < 0.5 and abs(split["unaccounted"]) < max(0.02 * wall, 3), final
     print(f"\nkubectl get configmap {RELEASE}-deepspeed-training-progress -o jsonpath='{{.data.summary}}': "
           f"{final['summary']}")
+    try:
+        watched, _ = watching.communicate(timeout=60)  # it ended with the run
+    except subprocess.TimeoutExpired:
+        watching.kill()
+        raise AssertionError(f"make status WATCH=1 did not end with the run: {watching.communicate()[0][-3000:]}"
+                             ) from None
+    lines = watched.splitlines()
+    assert watching.returncode == 0 and lines[-1].startswith("done | step 60/60 "), watched[-3000:]
+    assert len(set(lines)) == len(lines) >= 3, watched  # it followed the changes: pending, starting, ..., done
+    print(f"make status WATCH=1: {len(lines)} lines, the last: {lines[-1]}")
 
 
 def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_the_pod(namespace, shared_claim):
