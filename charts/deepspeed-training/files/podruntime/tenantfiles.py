@@ -410,41 +410,37 @@ class Tree:
             os.close(directory)
         return os.fdopen(fd, "wb")
 
-    def rename(self, source, target) -> bool:
-        """Renames source to target, both beneath the root (target's directories made where absent)."""
+    def _across(self, source, target, failed: str, act) -> bool:
+        """act(source's (directory fd, name), target's) for an operation on two paths beneath the root (target's
+        directories made where absent); an OSError is said once, as `target cannot be <failed> source`."""
         src, dst = self._parent(source), self._parent(target, create=True)
         try:
-            if src is None or dst is None:
-                return False
-            os.rename(src[1], dst[1], src_dir_fd=src[0], dst_dir_fd=dst[0])
-            return True
+            return src is not None and dst is not None and act(src, dst)
         except OSError as err:
-            self._say(target, f"cannot be renamed from {source} ({err.strerror})")
+            self._say(target, f"cannot be {failed} {source} ({err.strerror})")
             return False
         finally:
             for found in (src, dst):
                 if found is not None:
                     os.close(found[0])
 
+    def rename(self, source, target) -> bool:
+        """Renames source to target, both beneath the root (target's directories made where absent)."""
+        def act(src, dst) -> bool:
+            os.rename(src[1], dst[1], src_dir_fd=src[0], dst_dir_fd=dst[0])
+            return True
+        return self._across(source, target, "renamed from", act)
+
     def link(self, source, target) -> bool:
         """A hard link at target (a new name: nothing there is replaced) to the regular file at source, both
         beneath the root; neither is followed if it is a link."""
-        src, dst = self._parent(source), self._parent(target, create=True)
-        try:
-            if src is None or dst is None:
-                return False
+        def act(src, dst) -> bool:
             if not stat.S_ISREG(os.stat(src[1], dir_fd=src[0], follow_symlinks=False).st_mode):
                 self._say(source, "not a regular file: not linked")
                 return False
             os.link(src[1], dst[1], src_dir_fd=src[0], dst_dir_fd=dst[0], follow_symlinks=False)
             return True
-        except OSError as err:
-            self._say(target, f"cannot be linked to {source} ({err.strerror})")
-            return False
-        finally:
-            for found in (src, dst):
-                if found is not None:
-                    os.close(found[0])
+        return self._across(source, target, "linked to", act)
 
     def remove(self, relpath) -> bool:
         """Removes relpath, a file, a link (not what it points to) or a whole tree (no link below it followed);
