@@ -277,12 +277,12 @@ def test_a_copy_sends_each_inode_once_and_a_files_data_regions_at_most_max_regio
     # 3,000 data blocks and the 1,976 one-block holes merged away (2,999 holes, 1,023 kept), of 6,000 blocks
     assert sent["holes.bin"].data == (3000 + 2999 - (checkpoints.MAX_REGIONS - 1)) * block
     files = {name: s.size for name, s in sent.items()}
-    manifest = {"links": {"b.pt": "a.pt"}, "regions": {"holes.bin": [list(r) for r in regions]}}
-    assert checkpoints.valid_layout(manifest, files) == ({"b.pt": "a.pt"}, {"holes.bin": regions})
+    manifest = {"files": files, "links": {"b.pt": "a.pt"}, "regions": {"holes.bin": [list(r) for r in regions]}}
+    assert checkpoints.layout_record(sent) == manifest and checkpoints.layout_of(manifest) == sent
     for hostile in ({"links": {"b.pt": "../a.pt"}}, {"links": {"b.pt": "b.pt"}}, {"links": {"c.pt": "a.pt"}},
                     {"links": {"b.pt": "a.pt", "a.pt": "holes.bin"}}, {"regions": {"a.pt": [[0, 5001]]}},
                     {"regions": {"a.pt": [[10, 5], [12, 1]]}}, {"regions": {"a.pt": [[0, 0]]}},
                     {"regions": {"a.pt": [[0, True]]}}, {"regions": {"b.pt": [[0, 1]]}, "links": {"b.pt": "a.pt"}},
                     {"regions": {"a.pt": [[i, 1] for i in range(checkpoints.MAX_REGIONS + 1)]}}, {"links": []}):
-        assert checkpoints.valid_layout(hostile, files) is None, hostile
-    assert checkpoints.valid_layout({}, {"a.pt": "5000"}) is None
+        assert checkpoints.layout_of({"files": files, **hostile}) is None, hostile
+    assert checkpoints.layout_of({"files": {"a.pt": "5000"}}) is None

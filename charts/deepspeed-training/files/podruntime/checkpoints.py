@@ -139,22 +139,11 @@ def layout_record(layout: dict[str, Sent]) -> dict:
 
 
 def layout_of(record: dict) -> dict[str, Sent] | None:
-    """A layout_record back (the receiving side's), checked (valid_layout); None when it does not fit."""
-    files = record.get("files")
-    if not isinstance(files, dict):
-        return None
-    checked = valid_layout(record, files)
-    if checked is None:
-        return None
-    links, regions = checked
-    return {relpath: Sent(size, links.get(relpath), regions.get(relpath)) for relpath, size in files.items()}
-
-
-def valid_layout(manifest: dict, files: dict[str, int]) -> tuple[dict[str, str], dict[str, tuple]] | None:
-    """(links, regions) of a part's manifest (what how_sent recorded: `links` {path: first path}, `regions` {path:
-    [[offset, length], ...]}), checked against its files; None when they do not fit them."""
-    links, regions = manifest.get("links", {}), manifest.get("regions", {})
-    if not isinstance(links, dict) or not isinstance(regions, dict) or \
+    """A layout_record back (the receiving side's: a part's manifest, a peer copy's header), checked against its
+    files: None when a size is not a whole number, a link names a path it does not list (or another link, or a file
+    of another size), or a file's regions are not ordered, apart and within it."""
+    files, links, regions = record.get("files"), record.get("links", {}), record.get("regions", {})
+    if not isinstance(files, dict) or not isinstance(links, dict) or not isinstance(regions, dict) or \
             not all(type(size) is int and size >= 0 for size in files.values()):
         return None
     for path, target in links.items():
@@ -172,7 +161,7 @@ def valid_layout(manifest: dict, files: dict[str, int]) -> tuple[dict[str, str],
                 return None
             end = span[0] + span[1]
         checked[path] = tuple((o, n) for o, n in spans)
-    return dict(links), checked
+    return {relpath: Sent(size, links.get(relpath), checked.get(relpath)) for relpath, size in files.items()}
 
 
 def is_complete(tree: Tree, tag: str) -> bool:
