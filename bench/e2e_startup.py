@@ -30,6 +30,7 @@
 """
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -42,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from podruntime import protocol  # noqa: E402
 from tests.support.chart_pods import UID, e2e_values, render  # noqa: E402
 from tests.support.faults import duty_cycle  # noqa: E402
 from tests.support.harness import (  # noqa: E402
@@ -52,6 +54,7 @@ from tests.support.harness import (  # noqa: E402
     step_losses,
     wait_for,
 )
+from train import goodput  # noqa: E402
 
 FIRST_STEP = re.compile(r"\[rank 0\] INFO step 1/")
 
@@ -172,43 +175,83 @@ def fault_trial(extensions: Path, mode: str, fault: str, workers: int = 2) -> di
         recreated = [pod.name for pod in cluster.pods if pod.attempt != attempts[pod.name]]
         if fault == "preemption":  # the ranks trained on to the agreed stop, and saved that step
             done = int(DETECTED[fault].search(log).group(0).split()[-1])
+        # The chart's own split of the fault's loss (train/goodput.py fault_parts), from rank 0's progress file.
+        parts = cluster.progress(cluster.pods_of("worker")[0]).get("fault") or {}
         return {"detected_s": detected - killed, "recovery_s": recovered - killed, "trained": done, "resumed": resumed,
                 "lost": done - resumed, "recreated": len(recreated), "budget": int(BUDGET_USED.findall(log)[-1]),
-                "ok": codes == [0] * len(codes) and max(step_losses(log)) == 200}
+                "parts": parts, "ok": codes == [0] * len(codes) and max(step_losses(log)) == 200}
 
 
 RESUMED_STEP = re.compile(r"resumed from .*?INFO step \d+/", re.S)
 
 
-def bare_recovery(extensions: Path, workers: int = 2) -> float:
+def bare_recovery(extensions: Path, workers: int = 2) -> tuple[float, dict]:
     """Recovery of bare `deepspeed --no_ssh` per host under the quickest supervisor there can be: when the first
     host's deepspeed exits (its launch.py saw the killed rank), every host's processes are killed and the same
     command starts again on every host (the train package resumes from the last checkpoint). Seconds from the
-    SIGKILL of a rank of worker 1 at step ~50 (checkpoint every 20) to the first step after the resume."""
+    SIGKILL of a rank of worker 1 at step ~50 (checkpoint every 20) to the first step after the resume, and the
+    same parts as the chart's split (train/goodput.py fault_parts) at the supervisor's own moments: detect from the
+    last step to the first deepspeed's exit, stop until every process ended, reschedule 0 (it starts at once)."""
     v = values(extensions, "nossh", workers, steps=200, log_every=1, checkpoint_every=20)
     with Cluster(render(v)) as cluster:
         hosts = cluster.pods_of("worker")
+        records = cluster.checkpoint_dir() / "_job" / "goodput" / "local"
+        wall = lambda mono: time.time() - (time.monotonic() - mono)  # noqa: E731
 
         def log(attempt: int) -> str:
             path = cluster.tmp / f"{hosts[0].name}-bare{attempt}.log"
             return path.read_text(errors="replace") if path.exists() else ""
 
+        def record() -> dict | None:
+            """Rank 0's newest goodput record, with its last steps (the .step line, newer than the last flush)."""
+            found = sorted(records.glob("*.json")) if records.is_dir() else []
+            if not found:
+                return None
+            newest = json.loads(found[-1].read_text())
+            step, productive, updated = found[-1].with_suffix(".step").read_text().split()
+            if int(step) > newest["last_step"]:
+                newest.update(last_step=int(step), productive_s=float(productive), updated=float(updated))
+            return newest
+
         processes = start_bare(cluster, "bare1")
         wait_for(lambda: re.search(r"INFO step (4[5-9]|5[0-9])/", log(1)), 300, "step ~50", lambda: log(1), 0.05)
-        killed = time.monotonic()
         os.kill(cluster.rank_pids(hosts[1], ranks_only=True)[0], signal.SIGKILL)
-        wait_for(lambda: any(p.poll() is not None for p in processes), 600, "a host's deepspeed to exit",
-                 interval=0.05)
+        killed = time.monotonic()
+        detected = wait_for(lambda: any(p.poll() is not None for p in processes), 600, "a host's deepspeed to exit",
+                            interval=0.05)
         for host in hosts:
             cluster.kill(host)
         for process in processes:
             process.wait(timeout=60)
+        stopped = time.monotonic()
+        before = record()  # the retry's Goodput removes it (a run outside the chart is a job of its own)
         processes = start_bare(cluster, "bare2")
         recovered = wait_for(lambda: RESUMED_STEP.search(log(2)), 300, "the first step after the resume",
                              lambda: log(2), 0.05)
+        after = wait_for(lambda: (r := record()) and r.get("first_step") and r, 60, "the retry's goodput record")
         for host in hosts:
             cluster.kill(host)
-        return recovered - killed
+        rendezvous, load = after.get("rendezvous_s") or 0.0, after["restore_s"]
+        parts = {"detect": wall(detected) - before["updated"], "stop": stopped - detected, "reschedule": 0.0,
+                 "start": after["first_step"] - wall(stopped) - rendezvous - load, "rendezvous": rendezvous,
+                 "load": load, "first_step": after["first_step_s"], "recompute": goodput._lost(before, after)}
+        return recovered - killed, {**parts, "total": sum(parts.values())}
+
+
+def print_parts(parts: dict[str, list[dict]]) -> None:
+    """The recovery's loss by its parts (medians; the chart's from its own split), and the chart's seconds above
+    bare DeepSpeed's for each."""
+    names = list(parts)
+    medians = {name: {part: statistics.median([run.get(part, 0.0) for run in runs]) for part in (
+        *protocol.FAULT_PARTS, "total")} for name, runs in parts.items() if runs}
+    bare = medians.get(names[0], {})
+    print("the same, by parts (median s; chart parts from its own split, bare from the supervisor's moments)")
+    print(f"{'part':<12}" + "".join(f"{name.removeprefix('chart, launchMode '):>12}" for name in medians)
+          + "".join(f"{'+' + name.removeprefix('chart, launchMode '):>10}" for name in names[1:] if name in medians))
+    for part in (*protocol.FAULT_PARTS, "total"):
+        print(f"{part:<12}" + "".join(f"{medians[name][part]:>12.2f}" for name in medians)
+              + "".join(f"{medians[name][part] - bare.get(part, 0.0):>+10.2f}" for name in names[1:]
+                        if name in medians), flush=True)
 
 
 TOKENS_S = re.compile(r"INFO step (\d+)/\d+ \| .*? \| ([\d,]+) tokens/s")
@@ -268,12 +311,16 @@ def main() -> int:
                   + " ".join(f"{x:.1f}" for x in runs), flush=True)
     for hosts in () if args.no_recovery else (int(n) for n in args.hosts.split(",")):
         rows = {"bare deepspeed, quickest supervisor": [], "chart, launchMode ssh": [], "chart, launchMode nossh": []}
+        parts = {name: [] for name in rows}
         for _ in range(args.repeats):  # interleaved, so drift hits every row alike
-            rows["bare deepspeed, quickest supervisor"].append(bare_recovery(extensions, hosts))
+            seconds, split = bare_recovery(extensions, hosts)
+            rows["bare deepspeed, quickest supervisor"].append(seconds)
+            parts["bare deepspeed, quickest supervisor"].append(split)
             for mode in ("ssh", "nossh"):
                 trial = fault_trial(extensions, mode, "crash", hosts)
                 assert trial["ok"], trial
                 rows[f"chart, launchMode {mode}"].append(trial["recovery_s"])
+                parts[f"chart, launchMode {mode}"].append(trial["parts"])
         bare = statistics.median(rows["bare deepspeed, quickest supervisor"])
         print(f"recovery: a rank SIGKILLed at step ~50 -> first optimizer step after the resume ({hosts} hosts x 1 "
               "CPU rank, ZeRO-2, checkpoint every 20)")
@@ -281,6 +328,7 @@ def main() -> int:
         for name, runs in rows.items():
             print(f"{name:<36}{statistics.median(runs):>9.1f}{statistics.median(runs) / bare:>8.2f}x   "
                   + " ".join(f"{x:.1f}" for x in runs), flush=True)
+        print_parts(parts)
     if not args.no_overhead:
         runs = {(mode, on): [] for mode in ("ssh", "nossh") for on in (True, False)} | {("bare", None): []}
         for _ in range(args.repeats):  # interleaved, so drift hits every row alike

@@ -6,7 +6,8 @@
 - from train/conventions.py (conventions.json): the options each train.argsConvention passes, and every spelling
   the program's parser takes for what the chart owns, which train.args may not repeat;
 - from podruntime/protocol.py, the pods' run-time protocol (protocol.json): the constants the templates need (the
-  Job's failure policy, the version the chart's pod programs speak, the paths the probes read). The pod runtime
+  Job's failure policy, the version the chart's pod programs speak, the paths the probes read), and from
+  podruntime/sidecar.py the most metric samples a pod serves (the PodMonitor's sampleLimit). The pod runtime
   itself is no copy: the chart ships its source, files/podruntime/, which train/ and the glue import;
 - from pyproject.toml (scripts/pins.py): Chart.yaml's `version` and `appVersion`, the project's version.
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from podruntime import protocol  # noqa: E402
 from podruntime.rankstart import LAUNCHER_ENV  # noqa: E402
+from podruntime.sidecar import sample_bound  # noqa: E402
 from scripts.pins import pins  # noqa: E402
 from train import conventions  # noqa: E402
 from train.deepspeed_mirror import PDSH_MAX_FAN_OUT, TOP_LEVEL_KEYS  # noqa: E402
@@ -55,8 +57,9 @@ def chart_yaml() -> str:
 TARGETS = {CHART / "Chart.yaml": chart_yaml,
            GENERATED / "deepspeed.json": deepspeed_json, GENERATED / "conventions.json": conventions_json,
            GENERATED / "protocol.json": lambda: json.dumps({
-               "generated": "by scripts/chart_data.py from podruntime/protocol.py; do not edit",
-               **protocol.chart_constants()}, indent=1) + "\n"}
+               "generated": "by scripts/chart_data.py from podruntime/protocol.py and podruntime/sidecar.py; do "
+                            "not edit",
+               **protocol.chart_constants(), "metricSamples": sample_bound()}, indent=1) + "\n"}
 
 
 def main() -> int:

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 import yaml
 
+from podruntime.sidecar import sample_bound
 from tests.support.chart import (
     CHART,
     CI_VALUES,
@@ -296,7 +297,7 @@ def test_the_pod_monitor_needs_the_value_and_the_api_and_the_metrics_port_opens_
         "port": "metrics", "path": "/metrics", "interval": "15s", "honorLabels": False, "relabelings": [
             {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"], "targetLabel": "release",
              "action": "replace"}]}]
-    assert monitor["spec"]["sampleLimit"] == 43  # 40 + 3 x gpusPerWorker
+    assert monitor["spec"]["sampleLimit"] == sample_bound()["fixed"] + sample_bound()["perRank"]  # 1 GPU a worker
     assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "job"
     release = {"app.kubernetes.io/name": "deepspeed-training", "app.kubernetes.io/instance": "job"}
     scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]

@@ -174,7 +174,48 @@ def test_the_next_attempt_learns_the_run_before_and_when_it_was_first_reported_h
     second = began(tmp_path)
     assert second.env["DS_PREVIOUS_RUN_ID"] == run_id
     assert second.env["DS_PREVIOUS_RUN_HUNG_AT"] == (f"{at:.3f}" if reported == "during" else ""), second.env
-    assert began(tmp_path).env["DS_PREVIOUS_RUN_HUNG_AT"] == ""  # the attempt before (no outcome recorded) did not hang
+    assert second.env["DS_PREVIOUS_RUN_ENDED"] == f"{cause['ended']:.3f}"
+    assert second.env["DS_PREVIOUS_RUN_FAILED_AT"] == ""
+    third = began(tmp_path)  # the attempt before (no outcome recorded) did not hang, and its end is not known
+    assert third.env["DS_PREVIOUS_RUN_HUNG_AT"] == third.env["DS_PREVIOUS_RUN_ENDED"] == "", third.env
+
+
+@pytest.mark.parametrize("written", ["during", "before", "after"])
+def test_the_next_attempt_learns_when_the_first_rank_said_why_the_run_before_ended(tmp_path, written):
+    """A fault's loss is split at the first rank's own word of its end (a crash's line): the next attempt gets
+    its time from the ledger, only from within the attempt (a rank writes the record)."""
+    import time
+    first = began(tmp_path)
+    run_id, begun = first.env["DS_RUN_ID"], float(first.env["DS_ATTEMPT_BEGUN"])
+    at = {"during": time.time(), "before": begun - 600, "after": time.time() + 600}[written]
+    crashed = protocol.end_record(run_id, 1, "w-1", "program-error", "RuntimeError: boom", 40, at)
+    echo = protocol.end_record(run_id, 0, "w-0", "program-error", "rank 1 failed", 40, at - 1, echo=True)
+    cause = ledger(tmp_path).end(first.number, 1, [host(name="w-1", run_id=run_id, ends=(crashed,)),
+                                                   host(name="w-0", run_id=run_id, ends=(echo,))])
+    assert cause["cause"] == "program-error", cause
+    env = began(tmp_path).env
+    assert env["DS_PREVIOUS_RUN_FAILED_AT"] == (f"{at:.3f}" if written == "during" else ""), env
+    assert env["DS_PREVIOUS_RUN_ENDED"] == f"{cause['ended']:.3f}" and env["DS_PREVIOUS_RUN_HUNG_AT"] == ""
+
+
+def test_a_killed_rank_that_said_nothing_is_dated_by_its_hosts_launcher_and_the_end_by_the_owners_run(tmp_path):
+    """kill -9 leaves no end record: the first host whose DeepSpeed launcher exited (nossh: each host's evidence
+    says when) dates the failure; the ranks' end is when the owner's own run returned, before it gathered the
+    evidence (a time outside the attempt is none)."""
+    import time
+    first = began(tmp_path)
+    run_id = first.env["DS_RUN_ID"]
+    time.sleep(0.01)
+    crashed, returned = time.time() - 0.005, time.time()
+    evidence = [protocol.host_evidence("w-1", run_id, 137, None, [], 40, returned=crashed),
+                protocol.host_evidence("w-0", run_id, 1, None, [], 40, returned=returned)]
+    cause = ledger(tmp_path).end(first.number, 1, evidence, returned)
+    assert (cause["failed_at"], cause["returned"]) == (crashed, returned), cause
+    env = began(tmp_path).env
+    assert (env["DS_PREVIOUS_RUN_FAILED_AT"], env["DS_PREVIOUS_RUN_ENDED"]) == (f"{crashed:.3f}", f"{returned:.3f}")
+    third = ledger(tmp_path)
+    cause = third.end(third.numbered()[-1], 1, [], returned=time.time() + 600)
+    assert cause["returned"] is None and began(tmp_path).env["DS_PREVIOUS_RUN_ENDED"] == f"{cause['ended']:.3f}"
 
 
 def test_once_the_wait_for_the_hosts_is_over_the_attempt_says_its_own_words_again(tmp_path):

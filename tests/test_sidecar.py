@@ -40,7 +40,9 @@ rankstate.publish(steps=100, loss=0.5 if rank == "0" else 9.9, tokens_per_s=1234
                   checkpoint_step=steps - 1, mfu=0.41, checkpoint_save_s=0.8,
                   goodput={"productive": 50.0, "startup": 6.0, "restore": 1.0, "save": 2.0, "recomputation": 0.5,
                            "hung": 0.0, "wall": 60.0, "unaccounted": 0.5, "attempts": 1},
-                  goodput_line="goodput 83.3% | wall 60.0s = ...")
+                  goodput_line="goodput 83.3% | wall 60.0s = ...",
+                  fault={"detect": 2.0, "stop": 0.5, "start": 4.0, "total": 6.5, "attempt": 3, "odd": 9.0},
+                  fault_line="attempt 3 lost 6.5s to the fault before it: detect 2.0s + stop 0.5s + start 4.0s")
 """
 
 
@@ -128,8 +130,11 @@ def test_node_rank_0_serves_rank_0s_progress_and_its_ranks_and_the_ledgers_pod_t
                  'deepspeed_training_state{state="starting"} 1.0', 'deepspeed_training_rank_step{rank="0"} 7.0',
                  'deepspeed_training_rank_step{rank="1"} 6.0',
                  'deepspeed_training_goodput_seconds{bucket="productive"} 50.0',
-                 'deepspeed_training_goodput_seconds{bucket="unaccounted"} 0.5'):
+                 'deepspeed_training_goodput_seconds{bucket="unaccounted"} 0.5',
+                 'deepspeed_training_fault_seconds{part="detect"} 2.0',
+                 'deepspeed_training_fault_seconds{part="total"} 6.5'):
         assert line in text, (line, text)
+    assert 'part="odd"' not in text and 'part="attempt"' not in text  # parts from the fixed set only
     assert re.search(r'^deepspeed_training_rank_heartbeat_age_seconds\{rank="1"} \d', text, re.M)
     assert "release=" not in text  # the PodMonitor labels the release from the pod's own labels
 
@@ -191,7 +196,8 @@ def test_the_job_record_says_where_the_job_stands_and_why_the_last_attempt_ended
 @pytest.mark.parametrize("content", ["[1, 2]", "not json", '{"step": "1e999", "loss": "x" }', '{"state": 7}',
                                      '{"step": true, "steps": 0, "eta_s": -5, "mfu": null, "reason": ["a"]}',
                                      json.dumps({"state": "s" * 10_000, "reason": "r\x1b]0;t\x07" * 10_000,
-                                                 "step": 1e300, "goodput_line": "\x1b[2J" * 1000})])
+                                                 "step": 1e300, "goodput_line": "\x1b[2J" * 1000,
+                                                 "fault_line": "\x1b]52;c;aGk=\x07" * 1000})])
 def test_a_programs_odd_files_are_typed_bounded_and_cleaned(content):
     sidecar = sidecar_module  # its functions, in-process
     record = json.loads(content) if content.startswith(("{", "[")) else content
@@ -235,7 +241,8 @@ def test_a_flood_of_ranks_goodput_keys_and_states_stays_within_the_podmonitors_s
     for i in range(3000):
         (state_dir / str(100_000 + i)).write_text(f"training rank={i} step={i} step_s=0.1\n")
     (state_dir / protocol.PROGRESS).write_text(json.dumps(
-        {"state": "x\nowned", "step": 5, "goodput": {f"k{i}": 1.0 for i in range(2_000)} | {"productive": 2.0}}))
+        {"state": "x\nowned", "step": 5, "goodput": {f"k{i}": 1.0 for i in range(2_000)} | {"productive": 2.0},
+         "fault": {f"k{i}": 1.0 for i in range(2_000)} | dict.fromkeys((*protocol.FAULT_PARTS, "total"), 1.0)}))
     sidecar = Sidecar(state_dir, "--progress", "--world-size", "16", "--ranks-per-pod", "8")
     try:
         text = sidecar.scrape()
@@ -247,6 +254,32 @@ def test_a_flood_of_ranks_goodput_keys_and_states_stays_within_the_podmonitors_s
     assert len(ranks) <= 8 and max(ranks) < 16
     buckets = set(re.findall(r'bucket="([^"]+)"', text))
     assert buckets == {"productive"}, buckets
+    assert set(re.findall(r'part="([^"]+)"', text)) == {*protocol.FAULT_PARTS, "total"}
+
+
+def test_a_pod_that_serves_every_metric_with_every_label_stays_within_the_bound_the_podmonitor_takes(state_dir):
+    """The sampleLimit comes from sidecar.sample_bound: a pod serving rank 0's progress, the job's record, the
+    bucket's and the peer copy's status and 8 ranks, every labelled metric at every value of its set, is at it."""
+    from podruntime import causes
+    from podruntime.tenantfiles import Tree
+    full = dict.fromkeys((*protocol.GOODPUT_BUCKETS, *protocol.GOODPUT_TOTALS), 1.0)
+    (state_dir / protocol.PROGRESS).write_text(json.dumps(
+        {"step": 5, "steps": 9, "loss": 1.0, "lr": 1e-4, "tokens_per_s": 9.0, "mfu": 0.1, "eta_s": 3.0,
+         "checkpoint_step": 4, "checkpoint_save_s": 0.1, "checkpoint_write_s": 0.2, "time": time.time(),
+         "goodput": full, "fault": dict.fromkeys((*protocol.FAULT_PARTS, "total"), 1.0)}))
+    (state_dir / protocol.VERDICT).write_text(json.dumps(
+        {"state": "starting", "attempt": "2", "failures": "1", "failure_budget": "3", "preemptions": "0",
+         "causes": dict.fromkeys(causes.CAUSES, 1)}))
+    status = {"uploaded_step": 1, "committed_step": 1, "lag_steps": 0, "seconds": 1.0, "bytes_per_s": 1.0,
+              "failures": 0, "replicated_step": 1}
+    (state_dir / protocol.PEER_STATUS).write_text(json.dumps(status))
+    for rank in range(8):
+        (state_dir / str(100 + rank)).write_text(f"training rank={rank} step=5 step_s=0.1\n")
+    pod = sidecar_module.Pod(Tree(state_dir), 8, 8)
+    served = sum(len(values) for *_, values in sidecar_module.samples(pod, True, True, uploads=status))
+    bound = sidecar_module.sample_bound()
+    assert served == bound["fixed"] + 8 * bound["perRank"], (served, bound)
+    assert podmonitor_sample_limit(gpus_per_worker=8) == served
 
 
 def podmonitor_sample_limit(gpus_per_worker: int) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from podruntime import protocol
 from train import dsconfig
 from train.config import ConfigError, DataConfig, ModelConfig, parse_args
 from train.data import DataError, SyntheticData, TokenFileData, samples
@@ -350,6 +351,56 @@ def test_goodput_splits_every_attempt_and_leaves_odd_records_out(tmp_path, monke
                      "restore": 0.0 + 1.0 + 1.5, "save": 1.0 + 0.5 + 0.5, "hung": 12.0, "wall": 81.5,
                      "unaccounted": 1.0, "attempts": 3}, split
     assert goodput.describe(split).startswith("goodput 38.0% | wall 81.5s = productive 31.0s + start-up 25.0s")
+    # The fault before attempt 3 by its parts: hung from 58.5 to the report at 70.5, the attempt's end not given
+    # (its time goes to reschedule, to 72), start 80 - 72 - 1.5, the restore, the first step, 2 s trained again.
+    fault = third.last_fault()
+    assert fault == {"detect": 12.0, "reschedule": 1.5, "start": 6.5, "load": 1.5, "first_step": 1.0,
+                     "recompute": 2.0, "total": 24.5, "attempt": 3}, fault
+    assert goodput.describe_fault(fault) == ("attempt 3 lost 24.5s to the fault before it: detect 12.0s + reschedule "
+                                             "1.5s + start 6.5s + load 1.5s + first step 1.0s + recompute 2.0s")
+    assert goodput.published(split, fault)["fault"] == fault
+
+
+def _attempts(t0: float, **after):
+    """A failed attempt's record (its last step ended at t0 + 10; 9 s of steps, 4 of them by its save at step 5) and
+    the next one's, which resumed from step 5 and began at t0 + 34 (`after` changes it)."""
+    before = {"begun": t0, "first_step": t0 + 1, "restore_s": 0.0, "save_s": 0.0, "productive_s": 9.0,
+              "at_step": {"5": 4.0}, "resumed_from": 0, "last_step": 9, "updated": t0 + 10, "run": "run-0001-abcd1234"}
+    return before, {"begun": t0 + 34, "first_step": t0 + 40, "first_step_s": 1.0, "restore_s": 1.5,
+                    "rendezvous_s": 0.5, "save_s": 0.0, "productive_s": 1.0, "at_step": {}, "resumed_from": 5,
+                    "last_step": 6, "updated": t0 + 41, "run": "run-0002-abcd1234", "previous_run": before["run"],
+                    **after}
+
+
+@pytest.mark.parametrize("after, parts", [
+    # a hang: reported 20 s after the last step, every rank ended 3 s later, the next attempt began 1 s after that
+    ({"previous_hung_at": 1_000_030.0, "previous_ended": 1_000_033.0},
+     {"detect": 20.0, "stop": 3.0, "reschedule": 1.0, "start": 4.0, "rendezvous": 0.5}),
+    # a crash: a rank said why 1 s after the last step
+    ({"previous_failed_at": 1_000_011.0, "previous_ended": 1_000_012.0},
+     {"detect": 1.0, "stop": 1.0, "reschedule": 22.0, "start": 4.0, "rendezvous": 0.5}),
+    # the ledger's times of another run, or outside the gap they describe: left out, their time in the next part
+    ({"previous_run": "run-0009-abcd1234", "previous_failed_at": 1_000_011.0, "previous_ended": 1_000_012.0},
+     {"reschedule": 24.0, "start": 4.0, "rendezvous": 0.5}),
+    ({"previous_failed_at": 1_000_009.0, "previous_ended": 1_000_035.0},
+     {"reschedule": 24.0, "start": 4.0, "rendezvous": 0.5}),
+    # what the program wrote in its own record: a rendezvous longer than the start or not a number is not known
+    ({"previous_ended": 1_000_012.0, "rendezvous_s": 99.0}, {"stop": 2.0, "reschedule": 22.0, "start": 4.5}),
+    ({"previous_ended": 1_000_012.0, "rendezvous_s": "nan"}, {"stop": 2.0, "reschedule": 22.0, "start": 4.5}),
+    ({"previous_ended": 1_000_012.0, "restore_s": 1e9, "rendezvous_s": None},
+     {"stop": 2.0, "reschedule": 22.0, "start": 0.0, "load": 6.0}),
+])
+def test_a_faults_loss_is_split_at_the_ledgers_moments_and_every_second_is_in_one_part(after, parts):
+    from train import goodput
+    t0 = 1_000_000.0
+    before, record = _attempts(t0, **after)
+    fault = goodput.fault_parts(before, record)
+    expected = {"load": 1.5, "first_step": 1.0, "recompute": 5.0, **parts}
+    assert {k: v for k, v in fault.items() if k not in ("total", "attempt")} == expected, fault
+    # From the last step before the fault to the end of the first step after it, plus the steps trained again.
+    assert fault["total"] == pytest.approx((t0 + 41) - (t0 + 10) + 5.0) and fault["attempt"] == 2
+    assert list(fault)[:-2] == [p for p in protocol.FAULT_PARTS if p in fault]
+    assert goodput.fault_parts(before, {**record, "first_step": None, "first_step_s": None}) is None
 
 
 

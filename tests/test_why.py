@@ -41,7 +41,8 @@ def test_why_says_each_attempt_its_cause_and_time_the_budget_the_culprit_and_its
         {"attempt": 3, "cause": "program-error", "step": 201, "seconds": 41, "ended": T - 100,
          "culprit": "rank 0 on w-0"}],
         reason="attempt 3 ended: program-error: a rank on w-1 was killed by SIGKILL", bucketStep="180",
-        goodput="goodput 71.0% | wall 400.0s | hung 120.0s (3 attempts)"),
+        goodput="goodput 71.0% | wall 400.0s | hung 120.0s (3 attempts)",
+        lastFault="attempt 3 lost 24.5s to the fault before it: detect 12.0s + reschedule 1.5s + start 6.5s"),
         # The cluster: attempt 2's SIGTERM was an eviction, attempt 3's SIGKILL the OOM killer.
         "pods": [pod("w-0"), pod("w-1", terminated=[("worker", "OOMKilled", 137, T - 110, None)], restarts=1),
                  pod("launcher", disruption=[])],
@@ -59,6 +60,8 @@ def test_why_says_each_attempt_its_cause_and_time_the_budget_the_culprit_and_its
            "OOMKilled (exit 137)" in text, text
     assert "Failure budget: 2 of 2 used, 0 left; 1 preemption(s), never counted" in text
     assert "Last committed checkpoint: step 200 (the bucket's: step 180)." in text
+    assert "The last fault: attempt 3 lost 24.5s to the fault before it: detect 12.0s + reschedule 1.5s + start " \
+           "6.5s." in text, text
     assert "Job demo-deepspeed-training-launcher: Failed (PodFailurePolicy: exit code 3); 0 active, 1 failed" in text
     assert "Pods: 3 Running." in text
 
@@ -66,7 +69,8 @@ def test_why_says_each_attempt_its_cause_and_time_the_budget_the_culprit_and_its
 def test_why_prints_nothing_raw_from_the_cluster():
     hostile = "\x1b]52;c;aGk=\x07\u202erm -rf\n" + "x" * 5000
     observed = {"progress": {**progress([{"attempt": 1, "cause": "hang", "culprit": hostile, "ended": T}]),
-                             "reason": hostile, "summary": hostile, "attempts": "not json" + hostile},
+                             "reason": hostile, "summary": hostile, "lastFault": hostile,
+                             "attempts": "not json" + hostile},
                 "pods": [pod(hostile, phase=hostile, disruption=[("EvictionByEvictionAPI", hostile, T)])],
                 "events": [{"object": hostile, "kind": "Pod", "type": "Warning", "reason": "Evicted",
                             "message": hostile, "time": T, "count": 1}], "jobs": []}

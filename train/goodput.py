@@ -12,13 +12,24 @@ times:
 - `productive_s`: its steps' time, with the value at each saved step (`at_step`), so that the steps a later attempt
   trains again count as recomputation instead
 - `resumed_from`, `last_step`, `updated` (the end of its last step or save), `run` (DS_RUN_ID)
-- `previous_run`, `previous_hung_at`: the attempt before and when a watchdog first reported it hung, just before it
-  killed the ranks (DS_PREVIOUS_RUN_ID, DS_PREVIOUS_RUN_HUNG_AT from the ledger: its owner merged every host's
-  report, so the time is known on per-pod volumes too, where the report lies on another pod's)
+- `started`: rank 0's process start; `rendezvous_s`: its process group's set-up, where the program says
+  (the train package); `first_step_s`: the first step's time
+- `previous_run`, `previous_hung_at`, `previous_failed_at`, `previous_ended`: the attempt before, when a watchdog
+  first reported it hung, when its first rank said why it ended and when it ended (DS_PREVIOUS_RUN_* from the
+  ledger: its owner merged every host's evidence, so the times are known on per-pod volumes too, where a report
+  lies on another pod's)
 An attempt spans from the end of the one before (its `updated`; after a hang, the report's time, and the time since
 `updated` is time hung) to its own end. Start-up is the part of that span before its first step, less the restore:
 for a retry it includes noticing the failure and starting the ranks again. The job's wall time runs from its first
 attempt's `begun` to the last end.
+
+A fault's loss by its parts (fault_parts, protocol.FAULT_PARTS), from the failed attempt's last progress to the end
+of the next attempt's first step, each part between two of these moments: detect (until a watchdog reported the
+hang, or a rank said why it ended), stop (until the ledger's owner saw every rank end), reschedule (until the next
+attempt began: the loop's turn, or new pods scheduled and started), start (the launchers, the program's imports
+and its engine), rendezvous (the process group, where the program says), load (the checkpoint's restore),
+first_step; then recompute, the steps trained again since the checkpoint. A part whose moments are not known (a run
+outside the chart, a rank that said nothing) is left out of the split and its time goes to the next one.
 """
 
 import json
@@ -50,7 +61,7 @@ def _process_start() -> float:
 class Goodput:
     """Rank 0's record of this attempt (no file when `ckpt_dir` is None)."""
 
-    def __init__(self, ckpt_dir: Path | None, resumed_from: int, restore_s: float):
+    def __init__(self, ckpt_dir: Path | None, resumed_from: int, restore_s: float, rendezvous_s: float | None = None):
         run = os.environ.get("DS_RUN_ID", "")
         parsed = protocol.parse_run_id(run)
         self.directory = None
@@ -69,9 +80,11 @@ class Goodput:
         self.path = self.directory / name if self.directory else None
         self.record = {"begun": begun, "first_step": None, "restore_s": restore_s, "save_s": 0.0,
                        "productive_s": 0.0, "at_step": {}, "resumed_from": resumed_from, "last_step": resumed_from,
-                       "updated": time.time(), "run": run,
+                       "updated": time.time(), "run": run, "started": _process_start(),
+                       "rendezvous_s": rendezvous_s, "first_step_s": None,
                        "previous_run": os.environ.get(protocol.ATTEMPT_ENV["previous_run"], ""),
-                       "previous_hung_at": protocol.number(os.environ.get(protocol.ATTEMPT_ENV["previous_hung_at"]))}
+                       **{key: protocol.number(os.environ.get(protocol.ATTEMPT_ENV[key]))
+                          for key in ("previous_hung_at", "previous_failed_at", "previous_ended")}}
         self.flushed = 0.0
         self.tail: int | None = None  # <attempt>.step, open for the per-step pwrite
         self._past: dict[str, dict] | None = None  # the earlier attempts' records (_past_records)
@@ -83,7 +96,7 @@ class Goodput:
         """A step that started at wall time `started` took `seconds`."""
         record = self.record
         if record["first_step"] is None:
-            record["first_step"] = started
+            record["first_step"], record["first_step_s"] = started, seconds
         record["productive_s"] += seconds
         record["last_step"], record["updated"] = step, started + seconds
         if time.monotonic() - self.flushed >= FLUSH_S:
@@ -128,10 +141,7 @@ class Goodput:
         for i, record in enumerate(attempts):
             killed = _hung_at(record, attempts[i + 1]) if i + 1 < len(attempts) else None
             hung = max(0.0, killed - record["updated"]) if killed else 0.0
-            later = attempts[i + 1]["resumed_from"] if i + 1 < len(attempts) else None
-            lost = 0.0
-            if later is not None and later < record["last_step"]:
-                lost = record["productive_s"] - record["at_step"].get(str(later), 0.0)
+            lost = _lost(record, attempts[i + 1]) if i + 1 < len(attempts) else 0.0
             split["productive"] += record["productive_s"] - lost
             split["recomputation"] += lost
             split["save"] += record["save_s"]
@@ -143,6 +153,14 @@ class Goodput:
         wall = end - start
         return {**{k: round(v, 3) for k, v in split.items()}, "wall": round(wall, 3),
                 "unaccounted": round(wall - sum(split.values()), 3), "attempts": len(attempts)}
+
+    def last_fault(self) -> dict | None:
+        """The newest fault's loss by its parts (fault_parts), once this attempt's first step has ended; None for
+        a first attempt."""
+        past = self._past_records()
+        if not past or self.record["first_step"] is None:
+            return None
+        return fault_parts(past[max(past)], self.record)
 
     def _past_records(self) -> dict[str, dict]:
         """The earlier attempts' records, read once: they are over by the time this one logs a step."""
@@ -175,6 +193,55 @@ def _hung_at(record: dict, after: dict) -> float | None:
     return protocol.number(after.get("previous_hung_at"))
 
 
+def _lost(record: dict, after: dict) -> float:
+    """The productive seconds of `record`'s attempt that the attempt after it trains again (it resumed from an
+    earlier step)."""
+    later = after["resumed_from"]
+    if later >= record["last_step"]:
+        return 0.0
+    return max(0.0, record["productive_s"] - record["at_step"].get(str(later), 0.0))
+
+
+def fault_parts(before: dict, after: dict) -> dict | None:
+    """The loss of the fault that ended `before`'s attempt, by protocol.FAULT_PARTS (seconds; a part whose moments
+    are not known is left out, its time in the next part) and `total`, with `attempt`, the attempt that resumed;
+    None until `after`'s first step has ended."""
+    first, first_s = after.get("first_step"), protocol.number(after.get("first_step_s"))
+    if first is None or first_s is None:
+        return None
+    ours = bool(before["run"]) and after.get("previous_run") == before["run"]
+    last, begun = before["updated"], after["begun"]
+
+    def moment(key: str) -> float | None:  # the ledger's, only within the gap it describes
+        value = protocol.number(after.get(key)) if ours else None
+        return value if value is not None and last <= value <= begun else None
+
+    rendezvous = protocol.number(after.get("rendezvous_s"))
+    rendezvous = rendezvous if rendezvous is not None and 0 <= rendezvous <= first - begun else None
+    load = min(max(0.0, after["restore_s"]), max(0.0, first - begun - (rendezvous or 0.0)))
+    moments = [("detect", moment("previous_hung_at") or moment("previous_failed_at")),
+               ("stop", moment("previous_ended")), ("reschedule", begun), ("start", None)]
+    parts, since = {}, last
+    for name, until in moments:
+        if until is not None:
+            parts[name], since = max(0.0, until - since), max(since, until)
+    parts["start"] = max(0.0, first - since - (rendezvous or 0.0) - load)
+    if rendezvous is not None:
+        parts["rendezvous"] = rendezvous
+    parts.update(load=load, first_step=max(0.0, first_s), recompute=_lost(before, after))
+    parts = {name: round(parts[name], 3) for name in protocol.FAULT_PARTS if name in parts}
+    attempt = protocol.parse_run_id(after["run"])
+    return {**parts, "total": round(sum(parts.values()), 3), **({"attempt": attempt[0]} if attempt else {})}
+
+
+def describe_fault(parts: dict) -> str:
+    """`attempt 3 resumed 14.2s after the fault: detect 2.1s + stop 0.3s + ... + recompute 4.6s`."""
+    named = " + ".join(f"{name.replace('_', ' ')} {parts[name]:.1f}s" for name in protocol.FAULT_PARTS
+                       if name in parts)
+    who = f"attempt {parts['attempt']}" if "attempt" in parts else "the retry"
+    return f"{who} lost {parts['total']:.1f}s to the fault before it: {named}"
+
+
 def _valid(record) -> bool:
     """A record as Goodput writes it (a hand-edited or truncated one is left out, never a crash at the end)."""
     numbers = ("begun", "restore_s", "save_s", "productive_s", "updated")
@@ -193,7 +260,8 @@ def describe(split: dict) -> str:
             f"({split['attempts']} attempt{'s' if split['attempts'] != 1 else ''})")
 
 
-def published(split: dict | None) -> dict:
-    """The progress fields rank 0 publishes of a split (train/rankstate.py): the numbers and their line; an empty
-    or missing split leaves both as they were."""
-    return {"goodput": split or None, "goodput_line": describe(split) if split else None}
+def published(split: dict | None, fault: dict | None = None) -> dict:
+    """The progress fields rank 0 publishes of a split and of the newest fault's parts (train/rankstate.py): the
+    numbers and their lines; an empty or missing one leaves its fields as they were."""
+    return {"goodput": split or None, "goodput_line": describe(split) if split else None,
+            "fault": fault or None, "fault_line": describe_fault(fault) if fault else None}

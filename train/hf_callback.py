@@ -49,7 +49,9 @@ class RankHeartbeat(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.time()
-        self._reporter.step(state.global_step, self._mark, now - self._mark)
+        fault = self._reporter.step(state.global_step, self._mark, now - self._mark)
+        if fault:
+            print(fault, flush=True)  # the first step of a retry: what the fault before it cost, by its parts
         self._mark = now
         if control.should_save:  # the Trainer's own flow callback, which runs first, asked for a save next
             self._reporter.saving(state.global_step)

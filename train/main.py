@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -201,12 +202,13 @@ def start_engine(cfg: TrainConfig, inputs: Inputs, world_size: int):
     return engine, model, dtype != "fp32"
 
 
-def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: StopFlag) -> int:
+def train(cfg: TrainConfig, inputs: Inputs, rank: int, world_size: int, stop: StopFlag,
+          rendezvous_s: float | None = None) -> int:
     engine, model, half = start_engine(cfg, inputs, world_size)
     global_batch, ckpt_dir = inputs.batch[2], Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     report = RunReport(logger, Run(rank, world_size, cfg.steps, cfg.log_every, global_batch,
                                    global_batch * cfg.model.seq_len, ckpt_dir, hosts(world_size),
-                                   utilisation(cfg, model, half)))
+                                   utilisation(cfg, model, half), rendezvous_s))
     layout = layout_of(engine, world_size, cfg)
     report.restoring()
     start_step, position = resume(engine, cfg, inputs, rank, layout)
@@ -261,13 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         rankstate.fail("config-error", str(err))
         return protocol.EXIT_CONFIG_ERROR
     # DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes, the chart's deepspeed.collectiveTimeoutMinutes.
+    rendezvous = time.perf_counter()
     deepspeed.init_distributed(timeout=default_pg_timeout)
+    rendezvous_s = time.perf_counter() - rendezvous  # a fault's loss by its parts (train/goodput.py)
     groups_take_the_timeout(default_pg_timeout)  # ZeRO's own groups too: torch would give them 30 min on gloo
     status = 1
     try:
         if dist.get_world_size() != world_size:
             raise ConfigError(f"WORLD_SIZE {world_size} but the process group has {dist.get_world_size()} ranks")
-        status = train(cfg, inputs, dist.get_rank(), world_size, stop)
+        status = train(cfg, inputs, dist.get_rank(), world_size, stop, rendezvous_s)
     except NonFiniteLoss as err:
         logger.error(str(err))
         rankstate.fail("loss-nan", str(err))

@@ -41,27 +41,36 @@ class Reporter:
         rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
         self.restore_started = time.perf_counter()
 
-    def resumed(self, start_step: int, steps: int | None, restore_s: float | None = None) -> None:
+    def resumed(self, start_step: int, steps: int | None, restore_s: float | None = None,
+                rendezvous_s: float | None = None) -> None:
         """The checkpoint is loaded (at `start_step`; restore_s None: since restoring()); the start-up budget runs
-        until the first step."""
+        until the first step. `rendezvous_s`: the process group's set-up, where the program measured it."""
         restore = time.perf_counter() - self.restore_started if restore_s is None else restore_s
         try:
-            self.goodput = Goodput(self.checkpoint_dir if self.rank == 0 else None, start_step, restore)
+            self.goodput = Goodput(self.checkpoint_dir if self.rank == 0 else None, start_step, restore, rendezvous_s)
         except OSError:
             self.goodput = None  # accounting never stops training
         self.steps, self.start = steps, (start_step, time.perf_counter())
         rankstate.publish(steps=steps or None, checkpoint_step=start_step or None)
         rankstate.report("starting")
 
-    def step(self, step: int, started: float, seconds: float, beat: bool = True) -> None:
+    def step(self, step: int, started: float, seconds: float, beat: bool = True) -> str | None:
         """A step that started at wall time `started` took `seconds`; `beat`: the heartbeat too (not while
-        stopping)."""
+        stopping). After the first step of a retry, rank 0 publishes the fault's loss by its parts and returns its
+        line."""
+        first = self.goodput is not None and self.goodput.record["first_step"] is None
         if self.goodput:
             self.goodput.step(step, started, seconds)
         if beat:
             rankstate.beat(step)  # from here a SIGTERM also has something to save
         else:
             rankstate.reached(step)
+        fault = self.goodput.last_fault() if first and self.rank == 0 else None
+        if not fault:
+            return None
+        fields = goodput_fields(None, fault)
+        rankstate.publish(**fields)
+        return fields["fault_line"]
 
     def saving(self, step: int) -> None:
         rankstate.report("saving", step)  # judged by the checkpoint budget, not the step budget
@@ -196,6 +205,7 @@ class Run:
     checkpoint_dir: Path | None
     hosts: list[str]  # every rank's host, by rank
     use: Utilisation
+    rendezvous_s: float | None = None  # deepspeed.init_distributed's time
 
 
 class RunReport:
@@ -214,7 +224,7 @@ class RunReport:
 
     def resumed(self, start_step: int) -> None:
         run = self.run
-        self.reporter.resumed(start_step, run.steps)
+        self.reporter.resumed(start_step, run.steps, rendezvous_s=run.rendezvous_s)
         if start_step >= run.steps:
             self.logger.info(f"nothing to do: already at step {start_step} of {run.steps}")
         self.progress = Progress(self.logger, self.reporter, run.log_every, run.tokens_per_step, run.global_batch,
@@ -225,7 +235,10 @@ class RunReport:
 
     def step(self, step: int, loss: float, lr: float, compute: list[float], stopping: bool, engine) -> None:
         """A finished step: its loss (the mean over ranks), every rank's own compute time, whether the ranks stop."""
-        self.reporter.step(step, self.step_started[0], time.perf_counter() - self.step_started[1], beat=not stopping)
+        fault = self.reporter.step(step, self.step_started[0], time.perf_counter() - self.step_started[1],
+                                   beat=not stopping)
+        if fault:
+            self.logger.info(fault)
         self.losses.append((step, loss))
         if self.run.rank == 0:
             self.stragglers.step(compute)

@@ -258,6 +258,8 @@ def why_text(release: Release, observed: dict) -> str:
         lines.append(f"Last committed checkpoint: step {p(progress['checkpointStep'])}{bucket}.")
     if progress.get("goodput"):
         lines.append(f"Where the time went: {p(progress['goodput'], 600)}.")
+    if progress.get("lastFault"):  # the newest fault's loss by its parts (train/goodput.py)
+        lines.append(f"The last fault: {p(progress['lastFault'], 600)}.")
     if progress.get("summary"):
         lines.append(f"Now: {p(progress['summary'], 1000)}.")
     for job in observed["jobs"]:

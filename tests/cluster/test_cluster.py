@@ -791,7 +791,10 @@ def test_on_the_charts_default_storage_a_deleted_or_force_deleted_worker_resumes
                       300, "attempt 3 to resume from the peer copy", lambda: diagnose(namespace))
     forced_s = time.monotonic() - forced
     assert "config-error" not in second, second[-4000:]
+    wait_for(lambda: progress_data(namespace).get("lastFault", "").startswith("attempt 3 lost "), 60,
+             "rank 0's first step of attempt 3", lambda: str(progress_data(namespace)))
     text, _ = make_why(namespace, "ssh")
+    assert re.search(r"The last fault: attempt 3 lost [\d.]+s to the fault before it: ", text), text
     assert re.search(r"2 \S+( at step \d+)?, " + TOOK + r", resumed from the peer copy", text), text
     print(f"\nworker pod deleted: resumed from the peer copy {resumed_s:.0f}s later; force-deleted: "
           f"{forced_s:.0f}s later\nmake why:\n{text}")
@@ -867,3 +870,6 @@ def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_pla
                      "the progress ConfigMap's summary to say done at step 120", lambda: str(progress_data(namespace)))
     assert "attempt 2 (1 of 2 failures used, 0 preemptions)" in final["summary"], final
     assert final["goodput"].endswith("(2 attempts)"), final
+    # The kill's loss by its parts, split at the killed rank's end record and the ledger's end of the attempt.
+    assert re.fullmatch(r"attempt 2 lost [\d.]+s to the fault before it: detect [\d.]+s \+ stop [\d.]+s \+ "
+                        r"reschedule [\d.]+s \+ start .* \+ recompute [\d.]+s", final.get("lastFault", "")), final

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from podruntime import protocol
 from tests.support.chart_pods import REASON, e2e_values, render
 from tests.support.faults import duty_cycle
 from tests.support.harness import Cluster, step_losses, wait, wait_for
@@ -106,6 +107,16 @@ def test_ssh_a_straggler_is_named_then_a_stopped_rank_is_found_reported_and_the_
         assert abs(split["hung"] - reported) < 3, (split, reported)
         assert split["attempts"] == 2 and (split["recomputation"] > 0) == (stopped_step > resumed), (split, resumed)
         assert abs(split["unaccounted"]) < max(0.02 * split["wall"], 3), split
+        # The fault's loss by its parts (rank 0's line at the retry's first step, and its progress file): every part
+        # from the ledger's moments, detect the same span as `hung`, the parts adding up to the total.
+        line = re.search(r"INFO attempt 2 lost ([\d.]+)s to the fault before it: (.*)", retry)
+        assert line, retry[:3000]
+        parts = {name: float(seconds) for name, seconds in re.findall(r"([a-z ]+?) ([\d.]+)s(?: \+ |$)", line[2])}
+        assert list(parts) == [p.replace("_", " ") for p in protocol.FAULT_PARTS], line[0]
+        assert abs(parts["detect"] - split["hung"]) < 0.1 and abs(sum(parts.values()) - float(line[1])) < 0.5, line[0]
+        published = json.loads((cluster.rank_state_dir(workers[0]) / protocol.PROGRESS).read_text())["fault"]
+        assert published["attempt"] == 2 and abs(published["total"] - float(line[1])) < 0.1, published
+        print(line[0])
 
 
 def test_nossh_a_rank_blocked_outside_any_collective_is_named_with_its_frame_and_the_retry_finishes(shared_dir):

@@ -18,10 +18,12 @@ ServiceAccount (serviceAccount.create), since the chart binds its Roles to no ot
 {{- if and .Values.progress.enabled .Values.serviceAccount.create }}true{{- end }}
 {{- end }}
 
-{{/* The most samples one pod's sidecar serves (podruntime/sidecar.py): three per rank of the pod, and 40 for rank 0's
-progress, the goodput buckets, the job's record and the uploads (35 today). */}}
+{{/* The most samples one pod's sidecar serves: podruntime/sidecar.py's sample_bound (a fixed part for rank 0's
+progress, the goodput and fault splits, the job's record, the uploads and the peer copy, and so many per rank of the
+pod), generated into files/generated/protocol.json. */}}
 {{- define "deepspeed-training.metricsSampleLimit" -}}
-{{- add 40 (mul 3 (int .Values.worker.gpusPerWorker)) }}
+{{- $samples := (include "deepspeed-training.podstate" . | fromJson).metricSamples }}
+{{- add (int $samples.fixed) (mul (int $samples.perRank) (int .Values.worker.gpusPerWorker)) }}
 {{- end }}
 
 {{/* "true" when the launcher pod's sidecar scales the workers down after success (checked in _validate.tpl). */}}

@@ -105,6 +105,7 @@ class Facts:
     killed: list[tuple[str, int]]  # (host, signal) of launchers whose rank a signal killed (not SIGTERM)
     step: int | None = None
     lost: list[str] = field(default_factory=list)  # hosts that left during the attempt without a SIGTERM
+    failed_time: float | None = None  # the first sign of the end: a rank's end record, a host's launcher exiting
     extra: dict = field(default_factory=dict)
 
 
@@ -122,9 +123,10 @@ def facts(attempt: int, status: int, evidence: list[dict], stopped: bool, oom: l
     ends = [r for r in ends if not r["echo"]] or ends  # a rank that failed because another did says less
     said = [r for r in ends if r["cause"] in ("config-error", "storage-error", "loss-nan")]
     word = (said or ([] if killed and not merged else ends))[:1]
+    first = min((*(r["time"] for r in ends), *(e["returned"] for e in evidence if e.get("returned"))), default=None)
     return Facts(attempt, status, stopped or any(e.get("stopped") for e in evidence), oom, merged,
                  min((h["time"] for h in hangs), default=None), word[0] if word else None, killed,
-                 max(steps, default=None), [e["host"] for e in evidence if e.get("lost")])
+                 max(steps, default=None), [e["host"] for e in evidence if e.get("lost")], failed_time=first)
 
 
 def signal_name(number: int) -> str:

@@ -16,8 +16,9 @@ def state_tree(env=os.environ, log=None) -> Tree | None:
     return Tree(directory, log) if directory else None
 
 
-def of_run(run: str, status: int | None = None, env=os.environ) -> dict | None:
-    """This host's evidence of `run`, or None (no state directory, or no run ID)."""
+def of_run(run: str, status: int | None = None, env=os.environ, returned: float | None = None) -> dict | None:
+    """This host's evidence of `run`, or None (no state directory, or no run ID); `returned`: when this host's
+    DeepSpeed launcher exited, where it ran here."""
     state = state_tree(env)
     if state is None or not protocol.parse_run_id(run):
         return None
@@ -31,7 +32,8 @@ def of_run(run: str, status: int | None = None, env=os.environ) -> dict | None:
     step = progress.get("step") if progress.get("run") == run else None
     notice = state.read_json(protocol.STOP_NOTICE) or {}
     return protocol.valid_host_evidence(protocol.host_evidence(
-        host.hostname(), run, status, hang, ends, step, host.oom_kills(), stopped=notice.get("run") == run))
+        host.hostname(), run, status, hang, ends, step, host.oom_kills(), stopped=notice.get("run") == run,
+        returned=returned))
 
 
 def hang_text(run: str, env=os.environ) -> str:

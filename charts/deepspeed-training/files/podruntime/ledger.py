@@ -7,7 +7,8 @@ otherwise in the owner's /tmp (and mirrored to the bucket when there is one). On
     begun            when it began (epoch seconds)
     outcome          the run's exit status
     cause.json       why it ended (causes.decide: cause, reason, culprit, step, error, begun, ended; hung_at: when
-                     a watchdog first reported it hung)
+                     a watchdog first reported it hung; failed_at: the first sign of its end, a rank's own word of
+                     it or a host's DeepSpeed launcher exiting; returned: when the owner's run ended)
     stopped-<host>   a pod got SIGTERM during the attempt (its notice reached the owner): a preemption
     oom.json         the OOM kills each host's memory cgroup had counted at the attempt's end
 
@@ -206,8 +207,8 @@ class Ledger:
             relpath = self.name(number)
             if self.tree.stat(f"{relpath}/outcome") or self.tree.stat(f"{relpath}/cause.json"):
                 continue
-            self.keep(f"{relpath}/cause.json", json.dumps({
-                "cause": "preempted" if self.stopped(number) else "node-lost", "ended": time.time(),
+            self.keep(f"{relpath}/cause.json", json.dumps({  # `ended` is when the loss was noticed (`noticed`)
+                "cause": "preempted" if self.stopped(number) else "node-lost", "ended": time.time(), "noticed": True,
                 "reason": f"attempt {number} ended with its owner's pod, which recorded no outcome (a lost node, or "
                           "the pod killed outright: `make why` reads which from the cluster)"}))
 
@@ -239,13 +240,17 @@ class Ledger:
             number += 1
         begun = int(time.time() * 1000) / 1000  # as written: never after the end time.time() takes later
         self.keep(f"{self.name(number)}/begun", f"{begun:.3f}\n")
-        hung_at = protocol.number(last.get("hung_at"))
+        moments = {key: protocol.number(last.get(key)) for key in ("hung_at", "failed_at")}
+        # When its ranks ended, as its owner saw them end (or, before it gathered the evidence, when it recorded the
+        # end); not a lost owner's: that is when this owner found the attempt had ended with the pod.
+        moments["ended"] = None if last.get("noticed") else protocol.number(last.get("returned", last.get("ended")))
         env = {protocol.ATTEMPT_ENV["run"]: protocol.run_id(number, self.job),
                protocol.ATTEMPT_ENV["attempt"]: str(number), protocol.ATTEMPT_ENV["failures"]: str(failures),
                protocol.ATTEMPT_ENV["failure_budget"]: str(self.budget),
                protocol.ATTEMPT_ENV["preemptions"]: str(preemptions), protocol.ATTEMPT_ENV["begun"]: f"{begun:.3f}",
                protocol.ATTEMPT_ENV["previous_run"]: protocol.run_id(previous[0], self.job) if previous else "",
-               protocol.ATTEMPT_ENV["previous_hung_at"]: f"{hung_at:.3f}" if hung_at is not None else ""}
+               **{protocol.ATTEMPT_ENV[f"previous_{key}"]: f"{moment:.3f}" if moment is not None else ""
+                  for key, moment in moments.items()}}
         # Why the attempt before ended stays said until this one ends: the reason of a retry.
         self.starting = {"reason": last.get("reason"), "culprit": last.get("culprit"), "cause": last.get("cause")}
         self.say("starting", counter=env, **self.starting)
@@ -291,20 +296,24 @@ class Ledger:
                 increased.append((name, kills - base))
         return increased
 
-    def end(self, number: int, status: int, evidence: list[dict]) -> dict:
+    def end(self, number: int, status: int, evidence: list[dict], returned: float | None = None) -> dict:
         """Records the attempt's outcome and why it ended, decided once from every host's evidence
-        (causes.ATTEMPT_RULES); says where the job stands."""
+        (causes.ATTEMPT_RULES); says where the job stands. `returned`: when this host's run ended (the ranks' end
+        as the owner saw it, before it gathered the evidence)."""
         relpath = self.name(number)
         self.keep(f"{relpath}/outcome", f"{status}\n")
         facts = causes.facts(number, status, evidence, self.stopped(number), self.oom_increase(number, evidence))
         cause = causes.decide(facts)
         begun = protocol.number((self.tree.read_text(f"{relpath}/begun", 64) or "").strip())
         ended = time.time()
-        # The first watchdog's report, within the attempt (a report's time is the state directory's, which a rank
-        # can write): the next attempt's ranks count the time hung up to it (protocol.ATTEMPT_ENV).
-        hung_at = facts.hang_time if facts.hang_time and begun is not None and begun <= facts.hang_time <= ended \
-            else None
-        cause.update(begun=begun, ended=ended, hung_at=hung_at)
+        returned = returned if returned is not None and begun is not None and begun <= returned <= ended else None
+        # The first watchdog's report and the first rank's word of its end, each only within the attempt (their
+        # times are the state directory's, which a rank can write): the next attempt's ranks count the time hung up
+        # to the report, and split the fault's loss at them (protocol.ATTEMPT_ENV).
+        def within(moment: float | None) -> float | None:
+            return moment if moment and begun is not None and begun <= moment <= ended else None
+        cause.update(begun=begun, ended=ended, hung_at=within(facts.hang_time), failed_at=within(facts.failed_time),
+                     returned=returned)
         self.keep(f"{relpath}/cause.json", json.dumps({k: v for k, v in cause.items() if v is not None}))
         if status == 0:
             self.say("done", cause="completed")

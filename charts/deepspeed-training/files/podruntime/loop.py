@@ -23,6 +23,7 @@ protocol.EXIT_NOT_RETRIED when a stop rule ends the job, protocol.EXIT_CONFIG_ER
 import signal
 import subprocess
 import threading
+import time
 from typing import Protocol
 
 from podruntime import host, protocol
@@ -128,20 +129,21 @@ class AttemptLoop:
             if isinstance(met, int):
                 return met
             status = self.mode.run(met)
+            returned = time.time()
             self.log(f"DeepSpeed exited with status {status}")
-            ended = self.end(met, status)
+            ended = self.end(met, status, returned)
             if ended is not None:
                 return ended
             self.mode.clear()
 
-    def end(self, attempt: Began, status: int) -> int | None:
+    def end(self, attempt: Began, status: int, returned: float | None = None) -> int | None:
         """Records the attempt's end (the owner, from every host's evidence); the loop's exit status, or None to
         go on. A stop and a configuration error are never retried; other failures are while the budget lasts
         (the owner's ledger decides at the next meeting, counting every pod's failures)."""
         # Also after a stop: the evidence holds the step the ranks stopped (and saved) at.
         evidence = self.mode.gather(attempt, status) if status != 0 else []
         if self.ledger is not None:
-            self.ledger.end(attempt.number, status, evidence)
+            self.ledger.end(attempt.number, status, evidence, returned)
         if status == 0:
             return 0
         if self.stopping:

@@ -242,7 +242,7 @@ class Worker:
         return {"holds": peercopy.holdings(self.peer.ring, self.peer.replicator.volume)} if self.peer else {}
 
     def gather_as_owner(self, attempt: Began, status: int) -> list[dict]:
-        own = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env)
+        own = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env, returned=time.time())
 
         def waiting(left: float) -> None:
             self.barrier_log(f"waiting {left:.0f}s more for the evidence of attempt {attempt.number} from workers "
@@ -336,7 +336,7 @@ class Worker:
     def gather(self, attempt: Began, status: int) -> list[dict]:
         if self.owner:
             return self.gather_as_owner(attempt, status)
-        self.last = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env)
+        self.last = evidence.of_run(attempt.env[protocol.ATTEMPT_ENV["run"]], status, self.env, returned=time.time())
         if self.spoke.send(channel.encode("end", index=self.index, evidence=self.last, **self.holdings())):
             self.last = None
         return []

@@ -55,6 +55,9 @@ JOB_STATES = ("pending", *STATES, *(s for s in LEDGER_STATES if s not in STATES)
 # ---- goodput: where the job's wall time went (train/goodput.py), published by rank 0 under these keys
 GOODPUT_BUCKETS = ("productive", "startup", "restore", "save", "recomputation", "hung")
 GOODPUT_TOTALS = ("wall", "unaccounted")
+# A fault's loss by its parts (train/goodput.py fault_parts): from the failed attempt's last progress to the end of
+# the next attempt's first step, and the steps that attempt trains again; published for the newest fault.
+FAULT_PARTS = ("detect", "stop", "reschedule", "start", "rendezvous", "load", "first_step", "recompute")
 
 # ---- files in the state directory
 STATE_DIR_ENV = "DS_RANK_STATE_DIR"
@@ -93,10 +96,12 @@ KEEP_JOBS = 3
 # left-hand names)
 ATTEMPT_ENV = {"run": "DS_RUN_ID", "attempt": "DS_ATTEMPT", "failures": "DS_FAILURES",
                "failure_budget": "DS_FAILURE_BUDGET", "preemptions": "DS_PREEMPTIONS", "begun": "DS_ATTEMPT_BEGUN",
-               # the attempt before this one ("" for the first), and when a watchdog first reported it hung ("" if
-               # none did): where a rank's goodput learns that time on any storage (the report may be on another
-               # pod's volume)
-               "previous_run": "DS_PREVIOUS_RUN_ID", "previous_hung_at": "DS_PREVIOUS_RUN_HUNG_AT"}
+               # the attempt before this one ("" for the first), when a watchdog first reported it hung, when its
+               # first rank's own word of its end was written, and when it ended ("" where not known): where a
+               # rank's goodput learns these times on any storage (a report may be on another pod's volume), to
+               # count the time hung and split a fault's loss by its parts
+               "previous_run": "DS_PREVIOUS_RUN_ID", "previous_hung_at": "DS_PREVIOUS_RUN_HUNG_AT",
+               "previous_failed_at": "DS_PREVIOUS_RUN_FAILED_AT", "previous_ended": "DS_PREVIOUS_RUN_ENDED"}
 COUNTER_KEYS = ("attempt", "failures", "failure_budget", "preemptions", "run")  # published with every record
 PROTOCOL_ENV = "DS_PROTOCOL_VERSION"
 
@@ -251,15 +256,17 @@ def valid_hang_report(report) -> dict | None:
 
 
 def host_evidence(host: str, run: str, status: int | None, hang: dict | None, ends: list[dict],
-                  step: int | None, oom_kills: int | None = None, stopped: bool = False, lost: bool = False) -> dict:
+                  step: int | None, oom_kills: int | None = None, stopped: bool = False, lost: bool = False,
+                  returned: float | None = None) -> dict:
     """What one host knows of how an attempt ended (evidence.py): its DeepSpeed launcher's exit status (nossh; ssh
     has pdsh's), its watchdog's HangReport, its ranks' EndRecords, the last step rank 0 published there (if rank 0 is
     there), the OOM kills its memory cgroup has counted (since the container started) and whether its pod was
     stopped by SIGTERM during the attempt. `lost`: the ledger's owner's word of a host that left during the attempt
-    without a SIGTERM (its channel dropped: a lost node, a pod killed outright)."""
+    without a SIGTERM (its channel dropped: a lost node, a pod killed outright). `returned`: when its DeepSpeed
+    launcher exited (nossh: each host runs its own; ssh gathers the evidence after the run, and gives none)."""
     return {"v": VERSION, "kind": "evidence", "host": clean(host, 253), "run": clean(run, 64),
             "status": status, "hang": hang, "ends": ends, "step": count(step), "oom_kills": oom_kills,
-            "stopped": stopped is True, "lost": lost is True}
+            "stopped": stopped is True, "lost": lost is True, "returned": number(returned)}
 
 
 def valid_host_evidence(evidence) -> dict | None:
@@ -272,7 +279,7 @@ def valid_host_evidence(evidence) -> dict | None:
                          valid_hang_report(evidence.get("hang")) if evidence.get("hang") else None,
                          [e for e in (valid_end_record(r) for r in ends[:64]) if e], evidence.get("step"),
                          count(evidence.get("oom_kills"), 10**9), evidence.get("stopped") is True,
-                         evidence.get("lost") is True)
+                         evidence.get("lost") is True, number(evidence.get("returned")))
 
 
 def chart_constants() -> dict:

@@ -48,7 +48,7 @@ FINAL_TRIES = 20  # after SIGTERM, 0.5 s apart: a slow API must not lose the las
 METRIC = "deepspeed_training"
 PROGRESS_KEYS = ("progressState", "step", "steps", "percent", "loss", "lr", "tokensPerSecond", "mfu", "eta",
                  "checkpointStep", "bucketStep", "uploadLagSteps", "peerStep", "peerLagSteps", "goodput",
-                 "progressTime")
+                 "lastFault", "progressTime")
 JOB_KEYS = ("state", "cause", "reason", "culprit", "history", "attempts", "attempt", "failuresUsed", "failureBudget",
             "preemptions", "run", "updated", "summary")
 NUMBERS = {"step": ("step", "{:.0f}"), "steps": ("steps", "{:.0f}"), "loss": ("loss", "{:.4f}"), "lr": ("lr", "{:.3e}"),
@@ -78,6 +78,8 @@ def progress_fields(progress: dict) -> dict[str, str]:
         out["percent"] = f"{100 * step / steps:.1f}"
     if isinstance(progress.get("goodput_line"), str):  # train/goodput.py's split of the job's wall time
         out["goodput"] = clean(progress["goodput_line"])
+    if isinstance(progress.get("fault_line"), str):  # the newest fault's loss by its parts (train/goodput.py)
+        out["lastFault"] = clean(progress["fault_line"])
     if (written := protocol.number(progress.get("time"))) is not None:
         out["progressTime"] = f"{written:.3f}"
     return out
@@ -359,6 +361,8 @@ METRICS = (
     ("progress_age_seconds", "", "seconds since rank 0 last reported", "node rank 0", "time"),
     ("goodput_seconds", "bucket", "the job's wall time so far, by where it went (all attempts; bucket wall is the "
      "whole)", "node rank 0", "goodput"),
+    ("fault_seconds", "part", "the newest fault's loss by its parts, from the last step before it to the end of "
+     "the first step after it, and the steps trained again (part total is the sum)", "node rank 0", "fault"),
     ("attempt", "", "the job's attempt number", "the ledger's owner", "attempt"),
     ("failures", "", "failed attempts so far (the failure budget used)", "the ledger's owner", "failures"),
     ("failure_budget", "", "failed attempts the job may retry", "the ledger's owner", "failure_budget"),
@@ -392,6 +396,19 @@ METRICS = (
 )
 
 
+LABEL_VALUES = {"goodput_seconds": (*protocol.GOODPUT_BUCKETS, *protocol.GOODPUT_TOTALS),
+                "fault_seconds": (*protocol.FAULT_PARTS, "total"), "attempts_ended": causes.CAUSES}
+
+
+def sample_bound() -> dict[str, int]:
+    """The most samples one pod serves: `fixed` + `perRank` x its ranks (every metric once, a labelled one once per
+    value of its fixed set, `state` once; a rank's per rank). The PodMonitor's sampleLimit, generated from here
+    (scripts/chart_data.py: files/generated/protocol.json)."""
+    per_rank = sum(1 for m in METRICS if m[3] == "every worker")
+    fixed = sum(len(LABEL_VALUES.get(m[0], ("",))) for m in METRICS if m[3] != "every worker")
+    return {"fixed": fixed, "perRank": per_rank}
+
+
 def samples(pod: Pod, progress: bool, job: bool, uploads: dict | None = None):
     """(name, label, doc, [(label value, value)]) of every metric this pod serves now; `uploads`: the object-store
     uploader's status (objectstore.Uploader.status), when the release has one."""
@@ -410,16 +427,16 @@ def samples(pod: Pod, progress: bool, job: bool, uploads: dict | None = None):
             continue
         if where == "every worker":
             values = [(r["rank"], r[key]) for r in ranks if r[key] is not None]
-        elif name == "goodput_seconds":
-            goodput = record.get(key) if isinstance(record.get(key), dict) else {}
-            values = [(bucket, v) for bucket in (*protocol.GOODPUT_BUCKETS, *protocol.GOODPUT_TOTALS)
-                      if (v := protocol.number(goodput.get(bucket))) is not None]
+        elif name in ("goodput_seconds", "fault_seconds"):
+            split = record.get(key) if isinstance(record.get(key), dict) else {}
+            values = [(label, v) for label in LABEL_VALUES[name]
+                      if (v := protocol.number(split.get(label))) is not None]
         elif name == "progress_age_seconds":
             published = protocol.number(record.get(key))
             values = [("", max(0.0, time.time() - published))] if published is not None else []
         elif name == "attempts_ended":
             counts = verdict.get(key) if isinstance(verdict.get(key), dict) else {}
-            values = [(cause, v) for cause in causes.CAUSES
+            values = [(cause, v) for cause in LABEL_VALUES[name]
                       if (v := protocol.number(counts.get(cause))) is not None and 0 <= v < 1e9]
         elif name == "state":
             values = [(job_fields(verdict, progress_fields(record) if progress else {})["state"], 1)]
