@@ -228,7 +228,8 @@ def bare_recovery(extensions: Path, workers: int = 2) -> tuple[float, dict]:
         processes = start_bare(cluster, "bare2")
         recovered = wait_for(lambda: RESUMED_STEP.search(log(2)), 300, "the first step after the resume",
                              lambda: log(2), 0.05)
-        after = wait_for(lambda: (r := record()) and r.get("first_step") and r, 60, "the retry's goodput record")
+        wait_for(lambda: (r := record()) and r.get("first_step"), 60, "the retry's goodput record")
+        after = record()
         for host in hosts:
             cluster.kill(host)
         rendezvous, load = after.get("rendezvous_s") or 0.0, after["restore_s"]
@@ -245,11 +246,13 @@ def print_parts(parts: dict[str, list[dict]]) -> None:
     medians = {name: {part: statistics.median([run.get(part, 0.0) for run in runs]) for part in (
         *protocol.FAULT_PARTS, "total")} for name, runs in parts.items() if runs}
     bare = medians.get(names[0], {})
-    print("the same, by parts (median s; chart parts from its own split, bare from the supervisor's moments)")
-    print(f"{'part':<12}" + "".join(f"{name.removeprefix('chart, launchMode '):>12}" for name in medians)
-          + "".join(f"{'+' + name.removeprefix('chart, launchMode '):>10}" for name in names[1:] if name in medians))
+    short = {name: "bare" if i == 0 else name.removeprefix("chart, launchMode ") for i, name in enumerate(names)}
+    print("the same, by parts (median s; chart parts from its own split, bare from the supervisor's moments; "
+          "+mode: the chart's seconds above bare)")
+    print(f"{'part':<12}" + "".join(f"{short[name]:>10}" for name in medians)
+          + "".join(f"{'+' + short[name]:>10}" for name in names[1:] if name in medians))
     for part in (*protocol.FAULT_PARTS, "total"):
-        print(f"{part:<12}" + "".join(f"{medians[name][part]:>12.2f}" for name in medians)
+        print(f"{part:<12}" + "".join(f"{medians[name][part]:>10.2f}" for name in medians)
               + "".join(f"{medians[name][part] - bare.get(part, 0.0):>+10.2f}" for name in names[1:]
                         if name in medians), flush=True)
 
