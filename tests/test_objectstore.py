@@ -183,6 +183,40 @@ def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the
     assert {t: e["committed"] for t, e in keep1.bucket_tags().items()} == {"step_00000040": True}
 
 
+def test_a_project_that_took_anothers_release_name_finds_its_prefix_refused_and_a_reinstall_resumes(gateway,
+                                                                                                     tmp_path):
+    """The bucket's prefix is the release's name: a new project under a deleted one's name would restore that
+    project's checkpoints. The identity at the prefix (ownership.py) tells a reinstall from a new team."""
+    bucket = s3.new_bucket(gateway)
+    directory = tmp_path / "ckpt"
+    tag = directory / checkpoint.tag_for(10)
+    tag.mkdir(parents=True)
+    (tag / "shard.pt").write_bytes(os.urandom(1 << 16))
+    (tag / "commit.json").write_text(json.dumps({"step": 10, "files": checkpoint.files_of(tag)}))
+
+    def restore(owner: str, into: str, **extra) -> subprocess.CompletedProcess:
+        return s3.run_objectstore("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / into),
+                                                          DS_CHECKPOINT_OWNER=owner, **extra))
+
+    first = restore("p-llama", "first")  # the project's first start: the prefix becomes its own
+    assert first.returncode == 0 and "the prefix is project p-llama's" in first.stdout, first.stdout + first.stderr
+    objectstore.Uploader(settings(s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory)))).step()
+    again = restore("p-llama", "reinstall")  # a reinstall of the same project resumes
+    assert again.returncode == 0 and "restored step_00000010 from the bucket" in again.stdout, again.stderr
+    taken = restore("p-newteam", "taken")
+    assert taken.returncode == 1 and not (tmp_path / "taken").exists(), taken.stdout + taken.stderr
+    assert f"s3://{bucket}/ml/job/ holds the data of project identity p-llama, not of this project (p-newteam)" \
+        in taken.stderr and len(taken.stderr.strip().splitlines()) == 1, taken.stderr
+    adopted = restore("p-newteam", "adopted", DS_CHECKPOINT_ADOPT="p-llama")  # the platform's explicit word
+    assert adopted.returncode == 0 and "(adopted from p-llama)" in adopted.stdout, adopted.stdout + adopted.stderr
+    assert "restored step_00000010 from the bucket" in adopted.stdout
+    assert restore("p-llama", "old").returncode == 1  # the prefix is the new project's now
+    # A record that names no identity (a program cannot write the bucket, but a person or another tool can): refused.
+    s3.client(gateway).put_object(bucket, "ml/job/owner.json", io.BytesIO(b"[1]"), 3)
+    unreadable = restore("p-newteam", "unreadable")
+    assert unreadable.returncode == 1 and "an unreadable owner record" in unreadable.stderr, unreadable.stderr
+
+
 def test_a_tag_deleted_while_it_uploads_is_never_committed_and_the_next_one_goes_up(gateway, tmp_path):
     """A program's own rotation (a Trainer's save_total_limit) deletes the tag the sidecar is uploading: the files
     not yet read are gone, and the part is neither recorded nor committed; the newer tag goes up whole."""

@@ -32,6 +32,10 @@ PLATFORM_VALUES = {
     ("chart", "checkpoints", "objectStore"): {"bucket": "ml-checkpoints", "endpoint": "https://s3.example.com",
                                               "credentialsSecret": "ml-checkpoints-s3"},
     ("deploy", "projectResumeFrom"): {"other": "ml-dev/old"},
+    ("deploy", "projectIds"): {"other": "p-other"},
+    ("deploy", "projectAdopts"): {"other": "p-gone"},
+    ("chart", "checkpoints", "owner"): "p-platform",
+    ("chart", "checkpoints", "adoptOwner"): "p-gone",
     ("deploy", "projectChoices"): {"priorityClassName": ["training"]},
     ("chart", "progress", "image"): "registry.example.com/platform/sidecar:2",
 }
@@ -193,3 +197,46 @@ def test_the_sidecar_that_holds_the_token_runs_the_platforms_image_or_none(tree,
     code, out, err = run("template", *DEV_EXAMPLE, capsys=capsys)
     assert code == 0, err
     assert out.count('image: "registry.example.com/platform/sidecar:2"') == 2  # the workers' and the launcher's
+
+
+# ---------------------------------------------------------------- glue: the project's identity owns its storage
+
+def test_the_platforms_identity_of_a_project_reaches_every_container_that_keeps_its_storage(tree, capsys):
+    """deploy.projectIds: the worker's container (its volume) and, with a bucket, the restore container and the
+    sidecar (the bucket's prefix) get it; the plan says it, and an adoption as a warning."""
+    set_key("dev.yaml", "deploy", "projectIds", {"example": "p-7f3a", "hf-example": "p-91c0"})(tree)
+    set_key("dev.yaml", "chart", "checkpoints", "objectStore", {"bucket": "ckpt", "endpoint": "https://s3.example.com",
+                                                                "credentialsSecret": "s3"})(tree)
+    code, out, err = run("plan", *DEV_EXAMPLE, capsys=capsys)
+    assert code == 0, err
+    assert "  owner       project identity p-7f3a: its storage" in out and "takes over" not in out, out
+    docs = [d for d in common_docs(tree) if d.get("kind") in ("StatefulSet", "Job")]
+    owners = {(d["metadata"]["name"], c["name"]): {e["name"]: e.get("value") for e in c.get("env", [])}.get(
+        "DS_CHECKPOINT_OWNER") for d in docs for c in (*d["spec"]["template"]["spec"].get("initContainers", []),
+                                                      *d["spec"]["template"]["spec"]["containers"])}
+    assert owners[("example-deepspeed-training-worker", "worker")] == "p-7f3a", owners
+    assert {v for (name, c), v in owners.items() if c in ("restore", "progress") and "worker" in name} == \
+        {"p-7f3a"}, owners
+    assert owners[("example-deepspeed-training-launcher-1", "launcher")] is None  # it mounts no checkpoint volume
+    set_key("dev.yaml", "deploy", "projectAdopts", {"example": "p-old"})(tree)
+    code, out, err = run("plan", *DEV_EXAMPLE, capsys=capsys)
+    assert code == 0 and "  WARNING: takes over the storage of project identity p-old" in out, out
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ({"example": "p-1", "hf-example": "p-1"}, "deploy.projectIds: projects example and hf-example have the identity "
+                                               "p-1: each project needs its own"),
+    ({"example": "P_1"}, "deploy.projectIds.example: 'P_1' does not match"),
+    ({"example": "x" * 64}, "deploy.projectIds.example: '" + "x" * 64 + "' does not match"),
+])
+def test_an_identity_two_projects_share_or_out_of_its_grammar_is_refused_in_one_line(tree, capsys, ids, expected):
+    set_key("dev.yaml", "deploy", "projectIds", ids)(tree)
+    code, out, err = run("deploy", *DEV_EXAMPLE, "--dry-run", capsys=capsys)
+    assert code == 1 and "upgrade" not in out, out
+    assert "values/dev.yaml" in err and expected in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def common_docs(tree):
+    from scripts.deployctl import common
+    return common.manifest_docs((tree / "build" / "example" / "dev" / "manifests.yaml").read_text())

@@ -99,6 +99,10 @@ PLATFORM_ONLY = {
     ("chart", "checkpoints", "resumeFrom"): "starting from another release's checkpoints (per project: "
                                             "deploy.projectResumeFrom)",
     ("deploy", "projectResumeFrom"): "the releases whose checkpoints a project may start from",
+    ("deploy", "projectIds"): "the projects' identities, which own their storage",
+    ("deploy", "projectAdopts"): "the identities whose storage a project takes over",
+    ("chart", "checkpoints", "owner"): "the project's identity (per project: deploy.projectIds)",
+    ("chart", "checkpoints", "adoptOwner"): "another project's storage taken over (per project: deploy.projectAdopts)",
     ("deploy", "projectChoices"): "what projects may change in their pods' scheduling, identity and checkpoints",
 }
 

@@ -180,6 +180,12 @@ def plan(r: Rendered, context: str | None, manifests: str) -> str:
     lines += [f"  WARNING: {warning}" for warning in r.warnings]
     if resume_from := r.effective["checkpoints"]["resumeFrom"]:
         lines.append(f"  WARNING: {RESUME_FROM_TRUST.format(source=resume_from)}")
+    if owner := r.effective["checkpoints"]["owner"]:
+        lines.append(f"  owner       project identity {owner}: its storage (volumes, the bucket's prefix) refuses to "
+                     "start on another identity's data")
+    if adopted := r.effective["checkpoints"]["adoptOwner"]:
+        lines.append(f"  WARNING: takes over the storage of project identity {adopted} (deploy.projectAdopts): its "
+                     "checkpoints, ledger and goodput become this project's")
     for relaxation in security_relaxations(manifests):
         lines.append(f"  WARNING: security relaxed (allowSecurityRelaxations): {relaxation}")
     lines.append(f"  rendered    {r.out.relative_to(common.ROOT)}/values.yaml, ds_config.json, train_config.json, "

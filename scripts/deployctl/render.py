@@ -69,16 +69,22 @@ def build(env: str, project: str | None, check_ds_config: bool = True) -> Render
 
 def apply_platform_grants(settings: dict, merged: dict, origin: dict, project: str | None) -> None:
     """What the platform's layers grant one project: its namespace, relaxed security, another release's
-    checkpoints to start from."""
+    checkpoints to start from, the identity that owns its storage and one whose storage it takes over."""
     deploy = settings["deploy"]
     if project in deploy.get("projectNamespaces", {}):
         deploy["namespace"] = deploy["projectNamespaces"][project]
     if project and project in deploy.get("relaxSecurityFor", []):
         merged["chart"]["allowSecurityRelaxations"] = True
         origin[("chart", "allowSecurityRelaxations")] = source_of(origin, ("deploy", "relaxSecurityFor"))
-    if project in deploy.get("projectResumeFrom", {}):
-        merged["chart"].setdefault("checkpoints", {})["resumeFrom"] = deploy["projectResumeFrom"][project]
-        origin[("chart", "checkpoints", "resumeFrom")] = source_of(origin, ("deploy", "projectResumeFrom"))
+    ids = deploy.get("projectIds") or {}
+    if project in ids and (others := sorted(p for p, i in ids.items() if i == ids[project] and p != project)):
+        raise DeployError(f"{source_of(origin, ('deploy', 'projectIds'))}: deploy.projectIds: projects {project} and "
+                          f"{', '.join(others)} have the identity {ids[project]}: each project needs its own (it owns "
+                          "the project's storage)")
+    for grant, key in (("projectResumeFrom", "resumeFrom"), ("projectIds", "owner"), ("projectAdopts", "adoptOwner")):
+        if project in (deploy.get(grant) or {}):
+            merged["chart"].setdefault("checkpoints", {})[key] = deploy[grant][project]
+            origin[("chart", "checkpoints", key)] = source_of(origin, ("deploy", grant))
 
 
 def train_steps(effective: dict, origin: dict) -> int:

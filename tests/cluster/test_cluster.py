@@ -329,6 +329,27 @@ def test_each_account_holds_only_its_own_releases_rights(namespace):
           f"{sorted(own)}")
 
 
+def test_a_kept_ssh_secret_serves_a_reinstall_of_its_project_and_never_a_new_project_under_its_name(namespace):
+    """The SSH Secret outlives `helm uninstall` (resource-policy keep): a reinstall of the same project (the same
+    identity, checkpoints.owner) reuses its keys; a new project that takes the name gets keys of its own. The pods
+    never get scheduled here: the keys are the objects'."""
+    unscheduled = {"scheduling": {"schedulerName": "nobody"}, "configCheck": {"enabled": False}}
+    secret = f"{RELEASE}-deepspeed-training-ssh"
+
+    def keys() -> dict:
+        return get("secret", secret, namespace)["data"]
+
+    install(namespace, steps=10, checkpoints={"owner": "p-llama"}, **unscheduled)
+    first = keys()
+    for owner, same in (("p-llama", True), ("p-newteam", False)):
+        proc = subprocess.run([HELM, "uninstall", RELEASE, "--namespace", namespace, "--wait"], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and get("secret", secret, namespace), proc.stderr  # kept
+        install(namespace, steps=10, checkpoints={"owner": owner}, **unscheduled)
+        assert (keys() == first) is same, owner
+        assert get("secret", secret, namespace)["metadata"]["annotations"]["deepspeed-training/owner"] == owner
+
+
 def test_make_plan_says_whether_the_job_fits_this_clusters_nodes():
     """`make plan` with this cluster as the kube context: dev's sizing (2 workers x 1 CPU, and the chart's own
     containers on top) does not fit the one 2-CPU node; this tier's sizing (ci/09) does. Nothing is installed."""

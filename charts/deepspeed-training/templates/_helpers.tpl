@@ -426,6 +426,17 @@ config check's. */}}
   value: {{ include "deepspeed-training.checkpointStorage" . | quote }}
 {{- end }}
 
+{{/* The project's identity for the containers that keep its storage (podruntime/ownership.py): each claims its
+volume or the bucket's prefix before anything reads it. */}}
+{{- define "deepspeed-training.ownerEnv" -}}
+{{- if .Values.checkpoints.owner }}
+- name: DS_CHECKPOINT_OWNER
+  value: {{ .Values.checkpoints.owner | quote }}
+- name: DS_CHECKPOINT_ADOPT
+  value: {{ .Values.checkpoints.adoptOwner | quote }}
+{{- end }}
+{{- end }}
+
 {{/* Env of the containers that run `deepspeed` (ssh: the launcher; nossh: every worker). */}}
 {{- define "deepspeed-training.launcherEnv" -}}
 - name: DS_WAIT_TIMEOUT_SECONDS

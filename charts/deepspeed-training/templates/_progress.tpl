@@ -198,6 +198,7 @@ keeps the job's ledger in its /tmp. Called with (dict "root" $ "component" "work
   value: {{ .component | quote }}
 - name: DS_RELEASE
   value: {{ include "deepspeed-training.checkpointSubPath" $root | quote }}
+{{- with include "deepspeed-training.ownerEnv" $root }}{{ . | nindent 0 }}{{- end }}
 - name: DS_CHECKPOINT_DIR
   value: {{ $root.Values.checkpoints.mountPath | quote }}
 - name: DS_CHECKPOINT_STORAGE

@@ -75,6 +75,7 @@ spec:
         {{- end }}
       env:
         {{- include "deepspeed-training.commonEnv" . | nindent 8 }}
+        {{- with include "deepspeed-training.ownerEnv" . }}{{ . | nindent 8 }}{{- end }}
         {{- if $nossh }}
         {{- include "deepspeed-training.launcherEnv" . | nindent 8 }}
         {{- else }}

@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Protocol
 
-from podruntime import host, protocol
-from podruntime.ledger import Began, Ledger
+from podruntime import host, ownership, protocol
+from podruntime.ledger import Began, Ledger, last_word
 from podruntime.text import Log, lines
 
 
@@ -122,6 +122,11 @@ class AttemptLoop:
         # PID 1 ignores SIGTERM without a handler: set it first, also for the meeting.
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
+        refused = ownership.claim_volume()  # the pod's checkpoint volume, before anything reads it
+        if refused:  # the pod's last word only: the ledger on that volume is the other project's
+            self.log(f"ERROR: {refused}")
+            host.termination_message(last_word("failed", "config-error", refused))
+            return protocol.EXIT_CONFIG_ERROR
         while True:
             met = self.mode.meet()
             if self.stopping:

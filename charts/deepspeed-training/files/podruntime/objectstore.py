@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.parse
 
-from podruntime import checkpoints, protocol
+from podruntime import checkpoints, ownership, protocol
 from podruntime.ledger import attempts_tree, job_tree
 from podruntime.tenantfiles import Tree, parse_json, parts_of
 from podruntime.text import Log
@@ -77,6 +77,7 @@ class Settings:
         self.max_part_bytes = max(1, int(env.get("DS_OBJECT_STORE_MAX_PART_BYTES", "") or 512 << 30))
         self.secret = env.get("DS_OBJECT_STORE_CREDENTIALS_SECRET", "")
         self.prefix = env.get("DS_RELEASE", "").strip("/") + "/"
+        self.owner, self.adopt = env.get(ownership.OWNER_ENV, ""), env.get(ownership.ADOPT_ENV, "")
         self.checkpoint_dir = Tree(env.get("DS_CHECKPOINT_DIR", "/checkpoints"), log)
         self.per_worker = env.get("DS_CHECKPOINT_STORAGE", "shared") == "per-worker"
         self.node = int(env.get("DS_NODE_RANK", "0") or 0)
@@ -499,6 +500,36 @@ def restore_checkpoint(store, settings: Settings) -> str:
             f"{time.monotonic() - started:.1f}s)")
 
 
+def claim_prefix(store, settings: Settings) -> str | None:
+    """The release's prefix claimed for the project (ownership.py: its record at the prefix), or what was done;
+    StoreError with the refusal when it holds another identity's data."""
+    if not settings.owner:
+        return None
+    uploader = Uploader(settings, store)
+    key = settings.prefix + ownership.RECORD
+    from minio.error import S3Error  # noqa: PLC0415
+
+    try:
+        response = store.get_object(settings.bucket, key)
+        try:
+            found = ownership.recorded_owner(response.read(4097)[:4096])
+        finally:
+            response.close()
+            response.release_conn()
+    except S3Error as err:
+        if err.code not in ("NoSuchKey", "NoSuchObject", "ResourceNotFound"):
+            raise StoreError(f"{settings.bucket}/{key}: {err.code}") from None
+        found = None
+    write, refusal = ownership.decide(found, settings.owner, settings.adopt, f"s3://{settings.bucket}/{settings.prefix}")
+    if refusal:
+        raise StoreError(refusal)
+    if write:
+        uploader.put_json(key, {"owner": settings.owner})
+        return f"s3://{settings.bucket}/{key}: the prefix is project {settings.owner}'s" + (
+            f" (adopted from {found})" if found else "")
+    return None
+
+
 def restore_records(store, settings: Settings) -> list[str]:
     """The job's records this pod keeps, where it has none yet (a new pod, a new volume): the failure budget and the
     goodput history survive the loss of every pod and volume."""
@@ -534,6 +565,9 @@ def main(argv: list[str]) -> int:
         if argv[0] == "check":
             said(f"{settings.bucket} at {settings.endpoint} answers for {settings.prefix}")
             return 0
+        claimed = claim_prefix(store, settings)
+        if claimed:
+            said(claimed)
         said(restore_checkpoint(store, settings))
         for what in restore_records(store, settings):
             said(f"restored {what}")

@@ -24,9 +24,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from podruntime import channel, checkpoints, evidence, host, peercopy, protocol, ranks
+from podruntime import channel, checkpoints, evidence, host, ownership, peercopy, protocol, ranks
 from podruntime.causes import STOPPED
-from podruntime.ledger import Began, Ledger, Stopped
+from podruntime.ledger import Began, Ledger, Stopped, last_word
 from podruntime.loop import Child, hosts_of
 from podruntime.tenantfiles import Tree
 from podruntime.text import Log, lines
@@ -394,6 +394,11 @@ def worker_agent(env=os.environ) -> int:
     worker tells the ledger: a preemption), then the local ranks get SIGTERM so they can save within the pod's grace
     period, then sshd stops."""
     log = Log("worker")
+    refused = ownership.claim_volume(env)  # before sshd: no rank starts on another project's checkpoints
+    if refused:
+        log(f"ERROR: {refused}")
+        host.termination_message(last_word("failed", "config-error", refused))
+        return protocol.EXIT_CONFIG_ERROR
     ssh_setup(env)
     Tree(env["HOME"]).write(".ssh/environment", ssh_environment(env, log), mode=0o600)
     port = int(env.get("DS_CHANNEL_PORT", "0") or 0)
