@@ -217,6 +217,33 @@ def test_a_project_that_took_anothers_release_name_finds_its_prefix_refused_and_
     assert unreadable.returncode == 1 and "an unreadable owner record" in unreadable.stderr, unreadable.stderr
 
 
+def test_namespaces_on_one_gateway_are_users_of_tenants_of_their_own_with_quotas(gateway, tmp_path):
+    """docs/checkpoints.md's isolation on a shared gateway: each namespace's credentials Secret holds a user of its
+    own RGW tenant with a user quota. The same values (bucket ml-checkpoints) name each tenant's own bucket; one
+    tenant's program that fills its quota stops only its own uploads, which say why; its keys reach nothing of the
+    other's."""
+    team_a = s3.tenant_user(gateway, "team-a", quota_bytes=4 << 20)
+    team_b = s3.tenant_user(gateway, "team-b")
+    for env in (team_a, team_b):
+        s3.client(env).make_bucket("ml-checkpoints")
+    for env, size in ((team_a, 8 << 20), (team_b, 1 << 20)):  # team a's tag is over its quota
+        tag = tmp_path / env["AWS_ACCESS_KEY_ID"] / checkpoint.tag_for(10)
+        tag.mkdir(parents=True)
+        s3.write_data(tag / "shard.pt", size)
+        (tag / "commit.json").write_text(json.dumps({"step": 10, "files": checkpoint.files_of(tag)}))
+    uploaders = {name: objectstore.Uploader(settings(s3.store_env(env, "ml-checkpoints", DS_CHECKPOINT_DIR=str(
+        tmp_path / env["AWS_ACCESS_KEY_ID"])))) for name, env in (("a", team_a), ("b", team_b))}
+    for uploader in uploaders.values():
+        uploader.step()
+    assert "QuotaExceeded" in (uploaders["a"].status["error"] or ""), uploaders["a"].status
+    assert uploaders["a"].status["committed_step"] is None
+    assert not uploaders["b"].status["error"] and uploaders["b"].status["committed_step"] == 10, uploaders["b"].status
+    listed = {o.object_name for o in s3.client(team_a).list_objects("ml-checkpoints", recursive=True)}
+    assert not any(name.endswith("shard.pt") for name in listed), listed  # its own bucket: none of team b's
+    assert any(o.object_name.endswith("shard.pt")
+               for o in s3.client(team_b).list_objects("ml-checkpoints", recursive=True))
+
+
 def test_a_tag_deleted_while_it_uploads_is_never_committed_and_the_next_one_goes_up(gateway, tmp_path):
     """A program's own rotation (a Trainer's save_total_limit) deletes the tag the sidecar is uploading: the files
     not yet read are gone, and the part is neither recorded nor committed; the newer tag goes up whole."""

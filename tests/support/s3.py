@@ -147,6 +147,24 @@ def client(env: dict[str, str]):
                  secret_key=env["AWS_SECRET_ACCESS_KEY"], secure=False, region=env["AWS_DEFAULT_REGION"])
 
 
+def tenant_user(env: dict[str, str], tenant: str, quota_bytes: int | None = None) -> dict[str, str]:
+    """A user of its own RGW tenant (`radosgw-admin user create --tenant`: its buckets are its own namespace, the
+    same bucket name as another tenant's is another bucket), with a user quota when given: docs/checkpoints.md's
+    isolation of namespaces on one gateway. `env` with that user's keys."""
+    conf = ["-c", str(STATE / "ceph.conf")]
+    tenant = tenant.replace("-", "_")  # RGW's tenant names: letters, digits and _ (a namespace's - becomes _)
+    access, secret = uuid.uuid4().hex[:20].upper(), uuid.uuid4().hex
+    subprocess.run(["radosgw-admin", *conf, "user", "create", f"--tenant={tenant}", f"--uid={tenant}",
+                    f"--display-name={tenant}", f"--access-key={access}", f"--secret-key={secret}"],
+                   check=True, capture_output=True, timeout=60)
+    if quota_bytes is not None:
+        for args in (["quota", "set", "--quota-scope=user", f"--max-size={quota_bytes}"], ["quota", "enable",
+                                                                                          "--quota-scope=user"]):
+            subprocess.run(["radosgw-admin", *conf, *args, f"--uid={tenant}${tenant}"], check=True, capture_output=True,
+                           timeout=60)
+    return {**env, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
+
+
 def new_bucket(env: dict[str, str], prefix: str = "t") -> str:
     name = f"{prefix}-{uuid.uuid4().hex[:12]}"
     client(env).make_bucket(name)
