@@ -110,6 +110,7 @@ def test_deploy_dry_run_prints_the_helm_command_with_the_rendered_values():
     assert (f"helm upgrade --install example {ROOT}/charts/deepspeed-training -f {ROOT}/build/example/dev/values.yaml "
             "--namespace ml-dev") in proc.stdout
     assert "StatefulSet      ml-dev/example-deepspeed-training-worker" in proc.stdout
+    assert "+ then up to 30s for the pods of release example to run (each that cannot says why)" in proc.stdout
 
 
 def test_deploy_is_refused_to_a_context_prod_does_not_name(tree, capsys):

@@ -14,7 +14,7 @@ from scripts.deployctl.names import check_names_are_unique
 from scripts.deployctl.pins import check_pins
 from scripts.deployctl.plan import plan
 from scripts.deployctl.render import build, write
-from scripts.deployctl.why import logs, why
+from scripts.deployctl.why import logs, pods_check, why
 
 READ_ONLY = ("status", "why", "logs")  # look at the cluster: the release's names, not DeepSpeed's checks
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return 0
         if args.command == "deploy":
-            return deploy(r, context, args.dry_run, args.wait, manifests)
+            code = deploy(r, context, args.dry_run, args.wait, manifests)
+            if code == 0 and r.effective["progress"]["enabled"]:
+                pods_check(r, context, args.dry_run, manifests)
+            return code
         if args.command == "diff":
             plugins = subprocess.run([helm(), "plugin", "list"], capture_output=True, text=True).stdout
             if "diff" not in plugins.split():

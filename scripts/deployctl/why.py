@@ -11,6 +11,7 @@ attempt that ended near it in time.
 
 import json
 import re
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -331,6 +332,53 @@ def why(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> int:
                           "and may you read its ConfigMap, pods, jobs and events?)") from None
     print(why_text(release, observed))
     return 0
+
+
+DEPLOY_CHECK_S = 30  # make deploy's closing look at the pods
+SETTLED_S = 10  # the same reasons this long: the cluster's word, not a pod on its way
+
+
+def pods_check(r: Rendered, context: str | None, dry_run: bool, manifests: str) -> None:
+    """`make deploy`'s closing check (settled): it never fails the deploy, the job goes on (a pod may wait for a node
+    the autoscaler brings)."""
+    release = release_of(r, manifests)
+    print(f"+ then up to {DEPLOY_CHECK_S}s for the pods of release {release.name} to run (each that cannot says why)",
+          flush=True)
+    if dry_run:
+        return
+    core, batch = api(context)
+    for line in settled(release, core, batch):
+        print(f"deploy: {line}", flush=True)
+
+
+def settled(release: Release, core, batch, limit: float = DEPLOY_CHECK_S, poll: float = 2.0) -> list[str]:
+    """Up to `limit` seconds for the release's pods to run, or for the reasons they cannot to hold for SETTLED_S:
+    a line counting them by phase, and one for each reason a pod cannot run (`not_running`, as `make why` says
+    it)."""
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+    deadline, said, since = time.monotonic() + limit, None, time.monotonic()
+    while True:
+        try:
+            pods = read(core, batch, release)["pods"]
+        except ApiException as err:
+            return [f"cannot read the release's pods ({err.status} {printable(err.reason)}): `make why` says more "
+                    "with read access to its pods and events"]
+        except Exception as err:  # noqa: BLE001 - the deploy is done: a look that fails is one line, not its end
+            return [f"cannot read the release's pods ({type(err).__name__}): `make why` says more"]
+        reasons = not_running(pods, printable)
+        if reasons != said:
+            said, since = reasons, time.monotonic()
+        running = bool(pods) and all(pod["phase"] in ("Running", "Succeeded") for pod in pods)
+        if running or (reasons and time.monotonic() - since >= SETTLED_S) or time.monotonic() >= deadline:
+            break
+        time.sleep(poll)
+    phases: dict[str, int] = {}
+    for pod in pods:
+        phases[pod["phase"]] = phases.get(pod["phase"], 0) + 1
+    counted = ", ".join(f"{n} {printable(phase)}" for phase, n in sorted(phases.items())) or "none yet"
+    return [f"pods of {printable(release.name)}: {counted}" + (
+        "; training starts (`make status WATCH=1` follows it)" if running and not reasons else ""), *reasons]
 
 
 def rank_lines(text: str, rank: int, attempt: int | None) -> list[str]:

@@ -388,6 +388,14 @@ def test_make_why_says_why_a_pod_does_not_start(namespace):
     assert re.search(rf"Not running: pod {LAUNCHER}-\S+: container launcher: its image localhost/no-such-image:1 "
                      r"cannot be pulled \((ErrImagePull|ImagePullBackOff): ", text), text
     print(f"\nmake why:\n{text}")
+    # `make deploy`'s closing check: the same lines, once they hold, and a count of the pods by phase.
+    release, client = why_release(namespace, "ssh")
+    started = time.monotonic()
+    checked = why.settled(release, client.CoreV1Api(), client.BatchV1Api())
+    assert checked[0].startswith(f"pods of {RELEASE}: ") and "Pending" in checked[0], checked
+    assert any("not scheduled: 0/1 nodes are available: 1 Insufficient cpu" in line for line in checked), checked
+    assert any("cannot be pulled" in line for line in checked), checked
+    print(f"make deploy's check ({time.monotonic() - started:.0f}s):\n" + "\n".join(checked))
 
 
 # The longest tests first: the tier runs two at a time (scripts/test-cluster.sh), and a long one that starts
