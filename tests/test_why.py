@@ -375,3 +375,41 @@ def test_a_pod_that_cannot_start_is_said_with_the_clusters_reason():
             for i in range(100)]
     assert why.not_running(many, lambda value, limit=400: value) == [
         "Not running: pods demo-w-0, demo-w-1, demo-w-2 and 97 more: not scheduled: 0/1 nodes are available."]
+
+
+def test_a_job_waiting_for_admission_says_which_queue_or_gang_holds_it_and_a_neighbours_objects_say_nothing():
+    """Kueue's Workload (owned by the release's Job) and a gang's PodGroup (rendered by the release, by exact name)
+    that are not admitted: their own words; a neighbour's (another owner, a name that merely starts with ours) and
+    an admitted one: nothing. The suspended Job says so."""
+    ours, neighbours = "uid-launcher", "uid-of-demo-7b"
+    release = why.Release("demo", "ml", "demo-deepspeed-training-progress", "ssh",
+                          ["demo-deepspeed-training-launcher"], 2, "/checkpoints",
+                          objects=("demo-deepspeed-training", "demo-deepspeed-training-launcher"))
+
+    def workload(name, owner, *conditions, phase=None):
+        return {"metadata": {"name": name, "ownerReferences": [{"uid": owner, "kind": "Job"}]},
+                "status": {"conditions": [dict(zip(("type", "status", "message"), c, strict=True)) for c in conditions],
+                           **({"phase": phase} if phase else {})}}
+
+    quota = "couldn't assign flavors to pod set launcher: insufficient quota for cpu in flavor default, 3 more needed"
+    objects = [
+        ("Kueue workload", workload("job-demo-launcher-1a2b", ours, ("QuotaReserved", "False", quota))),
+        ("Kueue workload", workload("job-demo-7b-launcher-9f9f", neighbours, ("QuotaReserved", "False", "theirs"))),
+        ("Kueue workload", workload("job-demo-launcher-old", ours, ("Admitted", "True", "admitted"))),
+        ("Volcano PodGroup", workload("demo-deepspeed-training", "", ("Unschedulable", "True",
+                                                                     "2/3 tasks in gang unschedulable"),
+                                      phase="Pending")),
+        ("Volcano PodGroup", workload("demo-deepspeed-training-7b", "", ("Unschedulable", "True", "theirs"),
+                                      phase="Pending")),
+        ("PodGroup", {"metadata": "hostile", "status": ["x"]}),
+    ]
+    waiting = why.admission(objects, {ours}, release)
+    assert [w["name"] for w in waiting] == ["job-demo-launcher-1a2b", "demo-deepspeed-training"], waiting
+    observed = {"progress": {"state": "starting"}, "pods": [], "events": [], "admission": waiting,
+                "jobs": [{"name": "demo-deepspeed-training-launcher", "conditions": [], "active": 0, "failed": 0,
+                          "succeeded": 0, "suspended": True}]}
+    text = why.why_text(release, observed)
+    assert f"Not admitted: Kueue workload job-demo-launcher-1a2b: {quota}." in text, text
+    assert "Not admitted: Volcano PodGroup demo-deepspeed-training (Pending): 2/3 tasks in gang unschedulable." in text
+    assert "theirs" not in text and "7b" not in text
+    assert "Job demo-deepspeed-training-launcher: suspended (not admitted yet: no pod is created)" in text, text

@@ -125,8 +125,66 @@ def read(core, batch, release: Release) -> dict:
         if job.metadata.name in release.jobs:
             conditions = [(c.type, c.reason, c.message) for c in job.status.conditions or [] if c.status == "True"]
             jobs.append({"name": job.metadata.name, "conditions": conditions, "active": job.status.active or 0,
-                         "failed": job.status.failed or 0, "succeeded": job.status.succeeded or 0})
-    return {"progress": progress, "pods": pods, "events": events, "jobs": jobs}
+                         "failed": job.status.failed or 0, "succeeded": job.status.succeeded or 0,
+                         "suspended": bool(job.spec.suspend)})
+    job_uids = {job.metadata.uid for job in listed_jobs if job.metadata.name in release.jobs}
+    return {"progress": progress, "pods": pods, "events": events, "jobs": jobs,
+            "admission": admission(custom_objects(core, release.namespace), job_uids, release)}
+
+
+# Where a job waits to be admitted: (group, version, plural, what it is). Kueue's Workload is owned by the Job it
+# admits; a gang's PodGroup (Volcano's, Kubernetes' own) is one the chart rendered, by name.
+ADMISSION_APIS = (("kueue.x-k8s.io", "v1beta1", "workloads", "Kueue workload"),
+                  ("kueue.x-k8s.io", "v1beta2", "workloads", "Kueue workload"),
+                  ("scheduling.volcano.sh", "v1beta1", "podgroups", "Volcano PodGroup"),
+                  ("scheduling.k8s.io", "v1alpha2", "podgroups", "PodGroup"),
+                  ("scheduling.k8s.io", "v1alpha1", "workloads", "Workload"))
+ADMITTED = ("Admitted", "Scheduled", "PodGroupScheduled")  # a condition True of these: nothing to say
+
+
+def custom_objects(core, namespace: str) -> list[tuple[str, dict]]:
+    """(what it is, object) of every admission API the cluster serves and the reader may list (the rest: none)."""
+    from kubernetes import client  # noqa: PLC0415
+
+    if getattr(core, "api_client", None) is None:  # a client of the core API alone: no custom objects to read
+        return []
+    custom, found = client.CustomObjectsApi(core.api_client), []
+    for group, version, plural, what in ADMISSION_APIS:
+        try:
+            listed = custom.list_namespaced_custom_object(group, version, namespace, plural, _request_timeout=10)
+        except Exception:  # noqa: BLE001 - an API the cluster does not serve, or may not be read: nothing to say
+            continue
+        found += [(what, item) for item in listed.get("items", []) if isinstance(item, dict)]
+    return found
+
+
+def admission(objects: list[tuple[str, dict]], job_uids: set[str], release: "Release") -> list[dict]:
+    """What keeps the release's pods from being admitted or scheduled as a gang: {what, name, phase, message} of
+    each of its admission objects (owned by its Jobs, or rendered by it, by exact name) that is not admitted."""
+    waiting = []
+    for what, item in objects:
+        meta = item.get("metadata") if isinstance(item.get("metadata"), dict) else {}
+        owners = {o.get("uid") for o in meta.get("ownerReferences") or [] if isinstance(o, dict)}
+        ours = owners & job_uids if what.startswith("Kueue") else meta.get("name") in release.objects
+        if not ours:
+            continue
+        status = item.get("status") if isinstance(item.get("status"), dict) else {}
+        conditions = [c for c in status.get("conditions") or [] if isinstance(c, dict)]
+        if any(c.get("type") in ADMITTED and c.get("status") == "True" for c in conditions):
+            continue
+        said = [c for c in conditions if c.get("message") and (c.get("status") == "False" or "Unschedulable" in
+                                                                str(c.get("type", "")))]
+        phase = status.get("phase") if isinstance(status.get("phase"), str) else ""
+        if not said and phase not in ("Pending", "Inqueue"):
+            continue
+        waiting.append({"what": what, "name": str(meta.get("name", "")), "phase": phase,
+                        "message": str(said[0].get("message", "")) if said else ""})
+    return waiting
+
+
+def admission_lines(waiting: list[dict], p) -> list[str]:
+    return [f"Not admitted: {w['what']} {p(w['name'])}" + (f" ({p(w['phase'])})" if w["phase"] else "")
+            + (f": {p(w['message'], 500).rstrip('.')}" if w["message"] else ": waiting") + "." for w in waiting]
 
 
 def observations(pods: list[dict], events: list[dict], mains: tuple[str, ...]) -> list[dict]:
@@ -265,11 +323,13 @@ def why_text(release: Release, observed: dict) -> str:
         lines.append(f"Now: {p(progress['summary'], 1000)}.")
     for job in observed["jobs"]:
         conditions = ", ".join(f"{p(t)}" + (f" ({p(r)}: {p(m, 300)})" if r else "") for t, r, m in job["conditions"])
-        lines.append(f"Job {p(job['name'])}: {conditions or 'running'}; {job['active']} active, {job['failed']} "
-                     f"failed, {job['succeeded']} succeeded pods.")
+        state = conditions or ("suspended (not admitted yet: no pod is created)" if job.get("suspended") else "running")
+        lines.append(f"Job {p(job['name'])}: {state}; {job['active']} active, {job['failed']} failed, "
+                     f"{job['succeeded']} succeeded pods.")
     unexplained = [e for e in evidence if not any(e["text"] == a.get("by") for a in entries)]
     for e in sorted(unexplained, key=lambda e: -(e["time"] or 0))[:EVENTS_SHOWN]:
         lines.append(f"The cluster saw: {p(e['text'], 500)} ({p(e['cause'])}).")
+    lines += admission_lines(observed.get("admission", []), p)
     lines += not_running(observed["pods"], p)
     phases = {}
     for pod in observed["pods"]:
@@ -360,13 +420,14 @@ def settled(release: Release, core, batch, limit: float = DEPLOY_CHECK_S, poll: 
     deadline, said, since = time.monotonic() + limit, None, time.monotonic()
     while True:
         try:
-            pods = read(core, batch, release)["pods"]
+            observed = read(core, batch, release)
+            pods = observed["pods"]
         except ApiException as err:
             return [f"cannot read the release's pods ({err.status} {printable(err.reason)}): `make why` says more "
                     "with read access to its pods and events"]
         except Exception as err:  # noqa: BLE001 - the deploy is done: a look that fails is one line, not its end
             return [f"cannot read the release's pods ({type(err).__name__}): `make why` says more"]
-        reasons = not_running(pods, printable)
+        reasons = admission_lines(observed["admission"], printable) + not_running(pods, printable)
         if reasons != said:
             said, since = reasons, time.monotonic()
         running = bool(pods) and all(pod["phase"] in ("Running", "Succeeded") for pod in pods)
