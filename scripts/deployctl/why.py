@@ -411,8 +411,9 @@ def pods_check(r: Rendered, context: str | None, dry_run: bool, manifests: str) 
         print(f"deploy: {line}", flush=True)
 
 
-def settled(release: Release, core, batch, limit: float = DEPLOY_CHECK_S, poll: float = 2.0) -> list[str]:
-    """Up to `limit` seconds for the release's pods to run, or for the reasons they cannot to hold for SETTLED_S:
+def settled(release: Release, core, batch, limit: float = DEPLOY_CHECK_S, poll: float = 2.0,
+            settle: float = SETTLED_S) -> list[str]:
+    """Up to `limit` seconds for the release's pods to run, or for the reasons they cannot to hold for `settle`:
     a line counting them by phase, and one for each reason a pod cannot run (`not_running`, as `make why` says
     it)."""
     from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
@@ -431,7 +432,7 @@ def settled(release: Release, core, batch, limit: float = DEPLOY_CHECK_S, poll: 
         if reasons != said:
             said, since = reasons, time.monotonic()
         running = bool(pods) and all(pod["phase"] in ("Running", "Succeeded") for pod in pods)
-        if running or (reasons and time.monotonic() - since >= SETTLED_S) or time.monotonic() >= deadline:
+        if running or (reasons and time.monotonic() - since >= settle) or time.monotonic() >= deadline:
             break
         time.sleep(poll)
     phases: dict[str, int] = {}

@@ -391,7 +391,7 @@ def test_make_why_says_why_a_pod_does_not_start(namespace):
     # `make deploy`'s closing check: the same lines, once they hold, and a count of the pods by phase.
     release, client = why_release(namespace, "ssh")
     started = time.monotonic()
-    checked = why.settled(release, client.CoreV1Api(), client.BatchV1Api())
+    checked = why.settled(release, client.CoreV1Api(), client.BatchV1Api(), settle=2)  # make why saw them hold
     assert checked[0].startswith(f"pods of {RELEASE}: ") and "Pending" in checked[0], checked
     assert any("not scheduled: 0/1 nodes are available: 1 Insufficient cpu" in line for line in checked), checked
     assert any("cannot be pulled" in line for line in checked), checked
