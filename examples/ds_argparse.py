@@ -4,9 +4,12 @@ convention and placeholders (`--deepspeed_config={ds_config} --save_dir={checkpo
 
     deepspeed prog.py --deepspeed --deepspeed_config ds_config.json [--steps N] [--save_dir DIR]
 
-A small regression MLP on synthetic data; the loss is printed on rank 0 every 5 steps, and a checkpoint is
-saved to --save_dir (default: $DS_CHECKPOINT_DIR, set by the chart on every rank) at the end. Its one line for
-the chart's hang detection: `rankstate.beat(step)`.
+A small regression MLP on synthetic data; the loss is printed on rank 0 every 5 steps. Checkpoints go to --save_dir
+(default: $DS_CHECKPOINT_DIR, set by the chart on every rank) every --save_every steps and at the end, as DeepSpeed
+saves them (engine.save_checkpoint, `latest` naming the newest); a run resumes with engine.load_checkpoint from
+`latest`, as DeepSpeedExamples do. On the chart's per-worker volumes every node has its own `latest` (the chart's
+rank wrapper marks it: DeepSpeed writes it on global rank 0 only). Its one line for the chart's hang detection:
+`rankstate.beat(step)`.
 """
 
 import argparse
@@ -24,6 +27,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--save_dir", default=os.environ.get("DS_CHECKPOINT_DIR", ""))
+    parser.add_argument("--save_every", type=int, default=0, help="0: only at the end")
     return deepspeed.add_config_arguments(parser).parse_args()
 
 
@@ -36,7 +40,12 @@ def main() -> int:
     rank, micro = engine.global_rank, engine.train_micro_batch_size_per_gpu()
     weights = torch.linspace(-1, 1, 16)
     generator = torch.Generator().manual_seed(1 + rank)
-    for step in range(1, args.steps + 1):
+    start = 0
+    if args.save_dir and os.path.isfile(os.path.join(args.save_dir, "latest")):
+        path, client = engine.load_checkpoint(args.save_dir)
+        start = client["step"] if client else 0
+        print(f"ds_argparse: rank {rank} resumed from {path} at step {start}", flush=True)
+    for step in range(start + 1, args.steps + 1):
         for _ in range(engine.gradient_accumulation_steps()):
             x = torch.randn(micro, 16, generator=generator)
             loss = torch.nn.functional.mse_loss(engine(x).squeeze(-1), x @ weights)
@@ -46,10 +55,10 @@ def main() -> int:
         if rank == 0 and step % 5 == 0:
             print(f"ds_argparse: step {step}/{args.steps} loss {loss.item():.4f} "
                   f"world {engine.world_size} config {args.deepspeed_config}", flush=True)
-    if args.save_dir:
-        engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}")
-        if rank == 0:
-            print(f"ds_argparse: saved {args.save_dir}/step{args.steps}", flush=True)
+        if args.save_dir and (step == args.steps or args.save_every and step % args.save_every == 0):
+            engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
+            if rank == 0:
+                print(f"ds_argparse: saved {args.save_dir}/step{step}", flush=True)
     return 0
 
 

@@ -441,14 +441,16 @@ def test_per_worker_checkpoint_volumes_in_both_modes_and_the_storage_every_progr
         assert ("persistentVolumeClaim" if volume == "shared claim" else "emptyDir") in volume_of
 
 
-@pytest.mark.parametrize("convention", ["deepspeed", "none"])
-def test_a_program_that_resumes_from_rank_0s_latest_alone_needs_a_shared_claim_with_several_workers(convention):
-    values = {"worker": {"replicas": 2}, "train": {"script": "/opt/train.py", "argsConvention": convention}}
-    with pytest.raises(HelmError, match=f"a program of train.argsConvention \"{convention}\" would resume rank 0 "
-                                        "alone. Set checkpoints.existingClaim"):
-        render_chart(values)
-    render_chart({**values, "worker": {"replicas": 1}})
-    render_chart({**values, "checkpoints": {"existingClaim": "c"}})
+@pytest.mark.parametrize("convention", ["deepspeed", "none", "huggingface", "train"])
+def test_a_plain_deepspeed_program_on_per_worker_volumes_has_every_node_mark_its_latest(convention):
+    """DeepSpeed writes `latest` on global rank 0 alone: a program that resumes from it (deepspeed, none) gets every
+    node's local rank 0 marking its own (podruntime/savehook.py, by DS_CHECKPOINT_MARK_LATEST); the train package
+    and a Trainer with the chart's callback keep their own marks."""
+    program = {"module": "train"} if convention == "train" else {"script": "/opt/train.py"}
+    docs = render_chart({"worker": {"replicas": 2}, "train": {**program, "argsConvention": convention}})
+    env = env_of(one(docs, "StatefulSet", "-worker"))
+    assert env.get("DS_CHECKPOINT_STORAGE") == "per-worker", env
+    assert env.get("DS_CHECKPOINT_MARK_LATEST") == ("node" if convention in ("deepspeed", "none") else None), env
 
 
 def test_a_ds_config_against_the_checkpoint_storage_and_a_claim_made_from_others_data_are_refused():

@@ -49,8 +49,7 @@ UNIVERSAL_DIR = "universal"  # <ckpt>/universal/<tag>: a tag converted for anoth
 UNIVERSAL_INFO = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
-STORAGE_ENV = "DS_CHECKPOINT_STORAGE"
-SHARED, PER_WORKER = "shared", "per-worker"
+STORAGE_ENV, SHARED, PER_WORKER = tags.STORAGE_ENV, tags.SHARED, tags.PER_WORKER
 
 
 def _tree(directory: Path) -> Tree:

@@ -194,6 +194,39 @@ def test_a_deepspeed_examples_style_argparse_module_runs(shared_dir):
         assert (cluster.checkpoint_dir() / "step20").is_dir()
 
 
+@pytest.mark.parametrize("mode", ["ssh", "nossh"])
+def test_a_plain_deepspeed_program_on_per_worker_volumes_resumes_every_rank_from_one_tag(shared_dir, mode):
+    """The DeepSpeedExamples-style program, unchanged (it resumes with engine.load_checkpoint from `latest`), on the
+    chart's default storage, a volume per worker pod: DeepSpeed writes `latest` on global rank 0 only, so the chart's
+    rank wrapper has every node's local rank 0 mark its own after each save (podruntime/savehook.py). A rank of
+    worker 1 is killed after a save: the retry resumes every rank from one tag, which every volume names."""
+    values = program_values(shared_dir, module="examples.ds_argparse", argsConvention="deepspeed",
+                            args=["--steps=3000", "--save_every=100"])
+    del values["checkpoints"]
+    values["launchMode"] = mode
+    with Cluster(render(values)) as cluster:
+        workers = cluster.pods_of("worker")
+        if mode == "ssh":
+            cluster.start_workers()
+            job = [cluster.start(cluster.pods_of("launcher")[0])]
+        else:
+            job = [cluster.start(worker) for worker in workers]
+        logs = lambda: "".join(pod.log() for pod in cluster.pods)  # noqa: E731
+        wait_for(lambda: "ds_argparse: saved /checkpoints/step300" in logs(), 300, "the save at step 300", logs)
+        assert all((cluster.checkpoint_dir(w) / "latest").read_text().startswith("step") for w in workers)
+        os.kill(cluster.rank_pids(workers[1], ranks_only=True)[0], signal.SIGKILL)
+        codes = [wait(process, timeout=600) for process in job]
+        log = logs()
+        assert codes == [0] * len(job), log[-5000:]
+        resumed = set(re.findall(r"ds_argparse: rank (\d) resumed from /checkpoints/(step\d+)/\S+ at step (\d+)", log))
+        assert {rank for rank, _, _ in resumed} == {"0", "1"} and len({r[1:] for r in resumed}) == 1, resumed
+        tag = next(iter(resumed))[1]
+        assert int(tag.removeprefix("step")) >= 300, resumed
+        assert "ds_argparse: saved /checkpoints/step3000" in log
+        assert [(cluster.checkpoint_dir(w) / "latest").read_text() for w in workers] == ["step3000"] * 2
+        print(f"\n{mode}: every rank resumed from {tag}: {sorted(resumed)}")
+
+
 def test_a_script_gets_the_charts_paths_through_placeholders(shared_dir):
     values = program_values(shared_dir, script=str(ROOT / "examples" / "ds_argparse.py"), argsConvention="none",
                             args=["--deepspeed", "--deepspeed_config={ds_config}", "--save_dir={checkpoint_dir}/run1",

@@ -424,6 +424,12 @@ config check's. */}}
 {{- end }}
 - name: DS_CHECKPOINT_STORAGE
   value: {{ include "deepspeed-training.checkpointStorage" . | quote }}
+{{- if has .Values.train.argsConvention (list "deepspeed" "none") }}
+# A plain DeepSpeed program resumes from `latest`, which DeepSpeed writes on global rank 0 only: on per-worker
+# volumes every node's local rank 0 marks its own after each save (podruntime/savehook.py).
+- name: DS_CHECKPOINT_MARK_LATEST
+  value: "node"
+{{- end }}
 {{- end }}
 
 {{/* The project's identity for the containers that keep its storage (podruntime/ownership.py): each claims its

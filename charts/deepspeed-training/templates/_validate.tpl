@@ -371,9 +371,6 @@ hook (templates/config-check.yaml) before `helm install` creates anything else, 
 {{/* What per-worker checkpoint volumes (several workers, no shared claim: checkpointStorage) need of the program and
 its ds_config; train/checkpoint.py check_storage checks the parallel layout. */}}
 {{- define "deepspeed-training.validateCheckpointStorage" -}}
-{{- if and (eq (include "deepspeed-training.checkpointStorage" .) "per-worker") (has .Values.train.argsConvention (list "deepspeed" "none")) }}
-{{- fail (printf "checkpoints: %d workers without checkpoints.existingClaim keep their checkpoints on volumes of their own, and DeepSpeed writes the `latest` tag a plain engine.load_checkpoint() resumes from on global rank 0's only: a program of train.argsConvention %q would resume rank 0 alone. Set checkpoints.existingClaim (a ReadWriteMany PVC), or run one worker; the train package and Trainer programs with the chart's callback resume per-worker volumes" (int .Values.worker.replicas) .Values.train.argsConvention) }}
-{{- end }}
 {{- $config := .Values.deepspeed.config | default dict }}
 {{- if and (kindIs "map" $config.checkpoint) (hasKey $config.checkpoint "use_node_local_storage") }}
 {{- $local := $config.checkpoint.use_node_local_storage }}

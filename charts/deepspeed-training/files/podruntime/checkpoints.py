@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 from podruntime.tenantfiles import Tree
 
+# How the release's checkpoint directory is stored (the chart's DS_CHECKPOINT_STORAGE): one directory every rank
+# shares, or a volume per worker holding its ranks' part of every tag.
+STORAGE_ENV = "DS_CHECKPOINT_STORAGE"
+SHARED, PER_WORKER = "shared", "per-worker"
 TAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 COMMIT_FILE = "commit.json"
 TAG_PATTERN = re.compile(r"^step_(\d{8,})$")

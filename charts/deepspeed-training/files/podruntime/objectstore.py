@@ -79,7 +79,7 @@ class Settings:
         self.prefix = env.get("DS_RELEASE", "").strip("/") + "/"
         self.owner, self.adopt = env.get(ownership.OWNER_ENV, ""), env.get(ownership.ADOPT_ENV, "")
         self.checkpoint_dir = Tree(env.get("DS_CHECKPOINT_DIR", "/checkpoints"), log)
-        self.per_worker = env.get("DS_CHECKPOINT_STORAGE", "shared") == "per-worker"
+        self.per_worker = env.get(checkpoints.STORAGE_ENV, checkpoints.SHARED) == checkpoints.PER_WORKER
         self.node = int(env.get("DS_NODE_RANK", "0") or 0)
         self.nodes = int(env.get("DS_WORKERS", "1") or 1) if self.per_worker else 1
         # A worker pod's container keeps checkpoints; the launcher's (ssh) only the ledger, which it owns.
@@ -316,7 +316,8 @@ class Uploader:
             if not entry["committed"] and entry["parts"] >= {str(n) for n in range(self.settings.nodes)}:
                 self.put_json(self.key("checkpoints", tag, "committed.json"), {
                     "tag": tag, "step": checkpoints.step_of(tag), "nodes": self.settings.nodes,
-                    "storage": "per-worker" if self.settings.per_worker else "shared", "time": time.time()})
+                    "storage": checkpoints.PER_WORKER if self.settings.per_worker else checkpoints.SHARED,
+                    "time": time.time()})
                 entry["committed"] = True
                 log(f"committed {tag} in the bucket ({self.settings.nodes} part(s))")
         committed = sorted((t for t, e in found.items() if e["committed"]), key=checkpoints.order, reverse=True)

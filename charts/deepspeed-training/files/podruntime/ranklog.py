@@ -26,7 +26,7 @@ import sys
 import time
 from collections import deque
 
-from podruntime import host, protocol, rankstart
+from podruntime import host, protocol, rankstart, savehook
 from podruntime.tenantfiles import Tree
 from podruntime.text import complete_lines
 
@@ -160,5 +160,6 @@ def main(argv: list[str]) -> int:
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
     os.close(write_fd)
-    os.execv(sys.executable, [sys.executable, "-u", *program])
+    command = savehook.command(program)  # a plain DeepSpeed program on per-worker volumes: every node's `latest`
+    os.execv(command[0], command)
     return 1  # not reached
