@@ -156,8 +156,9 @@ class Goodput:
 
     def last_fault(self) -> dict | None:
         """The newest fault's loss by its parts (fault_parts), once this attempt's first step has ended; None for
-        a first attempt."""
-        past = self._past_records()
+        a first attempt. The records are read afresh, not kept: at the first step an attempt before may still be
+        writing its last (ranks a lost pod left behind, stopping)."""
+        past = self._read_past()
         if not past or self.record["first_step"] is None:
             return None
         return fault_parts(past[max(past)], self.record)
@@ -165,24 +166,28 @@ class Goodput:
     def _past_records(self) -> dict[str, dict]:
         """The earlier attempts' records, read once: they are over by the time this one logs a step."""
         if self._past is None:
-            self._past = {}
-            paths = sorted(self.directory.glob("[0-9]*.json")) if self.directory and self.directory.is_dir() else []
-            for path in (p for p in paths if not self.path or p.name != self.path.name):
-                try:
-                    record = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-                if not _valid(record):
-                    continue
-                try:
-                    step, productive, updated = path.with_suffix(".step").read_text().split()
-                    if int(step) > record["last_step"]:  # the last steps, newer than the last flush
-                        record.update(last_step=int(step), productive_s=float(productive),
-                                      updated=max(record["updated"], float(updated)))
-                except (OSError, ValueError):
-                    pass
-                self._past[path.name] = record
+            self._past = self._read_past()
         return self._past
+
+    def _read_past(self) -> dict[str, dict]:
+        past = {}
+        paths = sorted(self.directory.glob("[0-9]*.json")) if self.directory and self.directory.is_dir() else []
+        for path in (p for p in paths if not self.path or p.name != self.path.name):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not _valid(record):
+                continue
+            try:
+                step, productive, updated = path.with_suffix(".step").read_text().split()
+                if int(step) > record["last_step"]:  # the last steps, newer than the last flush
+                    record.update(last_step=int(step), productive_s=float(productive),
+                                  updated=max(record["updated"], float(updated)))
+            except (OSError, ValueError):
+                pass
+            past[path.name] = record
+        return past
 
 
 def _hung_at(record: dict, after: dict) -> float | None:

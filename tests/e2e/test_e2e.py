@@ -174,8 +174,11 @@ def test_a_lost_pod_a_crash_and_a_preemption_on_one_job_then_attempt_4_runs_with
             (split, job_ended - job_started)
         assert split["attempts"] == 4 and split["hung"] == 0 and split["recomputation"] > 0, split
         # Start-up (with the restores, which it includes on the test's clock) against the test's timeline, which
-        # also holds up to 5 steps per attempt before the first logged one.
-        assert abs(split["startup"] + split["restore"] - startup_seen) < max(0.02 * split["wall"], 3), \
+        # also holds up to 5 steps per attempt before the first logged one; and each retry's start the two clocks
+        # take from different moments: the chart from the last step before the fault (after a stop, its save), the
+        # test from the fault it made or the old ranks' end, about a second apart on this machine (up to 3 s apart
+        # in all under a loaded CI run's three test processes).
+        assert abs(split["startup"] + split["restore"] - startup_seen) < max(0.02 * split["wall"], 3) + 3 * 1.0, \
             (split, startup_seen)
         records = sorted((cluster.checkpoint_dir() / "_job" / "goodput").glob("*/*.json"))
         assert len(records) == 4, records
