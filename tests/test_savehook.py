@@ -13,6 +13,7 @@ import pytest
 
 from podruntime import checkpoints, savehook
 from podruntime.tenantfiles import Tree
+from tests.support.chart import SCRIPTS
 
 NODE_1 = {"LOCAL_RANK": "0", "RANK": "2", savehook.MARK_ENV: "node"}
 
@@ -24,7 +25,7 @@ def test_the_hook_runs_only_for_a_program_the_chart_marks_for_on_per_worker_volu
     assert savehook.command(program, {**per_worker, checkpoints.STORAGE_ENV: checkpoints.SHARED}) == \
         [sys.executable, "-u", *program]
     hooked = savehook.command(program, per_worker)
-    assert hooked[:3] == [sys.executable, "-u", "-c"] and hooked[4:] == program, hooked
+    assert hooked == [sys.executable, "-u", str(SCRIPTS / savehook.HOOK_SCRIPT), *program], hooked
 
 
 @pytest.mark.parametrize("how", ["script", "module"])

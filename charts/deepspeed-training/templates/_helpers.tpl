@@ -272,7 +272,7 @@ items: a key cannot hold a `/`). The scripts directory runs as a program, `pytho
 train/ and the glue import too. rank-log.py is DeepSpeed's launcher's script for every rank; the shell files are the
 ssh mode's setup and probe. */}}
 {{- define "deepspeed-training.podScripts" -}}
-{{- $paths := list "__main__.py" "rank-log.py" }}
+{{- $paths := list "__main__.py" "rank-log.py" "rank-hook.py" }}
 {{- range $path, $_ := .Files.Glob "files/podruntime/*.py" }}
 {{- $paths = append $paths (trimPrefix "files/" $path) }}
 {{- end }}

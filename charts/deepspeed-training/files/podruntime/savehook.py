@@ -77,21 +77,24 @@ class _EngineImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+HOOK_SCRIPT = "rank-hook.py"  # in the chart's scripts directory, beside rank-log.py
+
+
 def command(program: list[str], env=os.environ) -> list[str]:
-    """The rank's command: `python -u PROGRAM...` as DeepSpeed's launcher gave it, through `run` where the chart asks
-    for every node's mark (MARK_ENV) on per-worker volumes. The program imports the image's podruntime, as it would
-    without the hook: the chart's copy that loads this module is forgotten before the program starts."""
+    """The rank's command: `python -u PROGRAM...` as DeepSpeed's launcher gave it, or, where the chart asks for every
+    node's mark (MARK_ENV) on per-worker volumes, `python -u rank-hook.py PROGRAM...` (`run`)."""
     if env.get(MARK_ENV) != "node" or env.get(checkpoints.STORAGE_ENV) != checkpoints.PER_WORKER:
         return [sys.executable, "-u", *program]
     scripts = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    bootstrap = (f"import sys; sys.path.insert(0, {scripts!r}); from podruntime import savehook; "
-                 "[sys.modules.pop(m) for m in list(sys.modules) if m.split('.')[0] == 'podruntime']; "
-                 "savehook.run(sys.argv[1:])")
-    return [sys.executable, "-u", "-c", bootstrap, *program]
+    return [sys.executable, "-u", os.path.join(scripts, HOOK_SCRIPT), *program]
 
 
 def run(program: list[str]) -> None:
-    """`python PROGRAM ARGS...` or `python -m MODULE ARGS...` with the save hook installed."""
+    """`python PROGRAM ARGS...` or `python -m MODULE ARGS...` with the save hook installed. The one module of the
+    package that sets sys.path[0] and uses runpy: for the tenant's program, as python itself would. The program
+    imports the image's podruntime, as it would without the hook: the chart's copy that runs this is forgotten."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "podruntime"]:
+        del sys.modules[name]
     sys.meta_path.insert(0, _EngineImport())
     if program[0] == "-m":
         sys.argv = [program[1], *program[2:]]
