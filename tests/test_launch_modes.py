@@ -30,7 +30,7 @@ def test_nossh_renders_no_ssh_no_launcher_no_token():
                      "Service", "ServiceAccount"]  # Role: the progress sidecar's (tests/test_chart.py)
     scripts = one(docs, "ConfigMap", "-scripts")
     package = {f"podruntime.{p.name}" for p in (CHART / "files" / "podruntime").glob("*.py")}
-    assert set(scripts["data"]) == {"__main__.py", "rank-log.py", *package}  # no shell: no sshd, no ssh setup
+    assert set(scripts["data"]) == {"__main__.py", "rank-log.py", "rank-hook.py", *package}  # no sshd, no ssh setup
     text = str([d for d in docs if d is not scripts]).replace("podruntime/sshmode.py", "").replace(
         "podruntime.sshmode.py", "")  # the whole package ships; nothing of the ssh mode runs
     assert "ssh" not in text.replace("nossh", "").replace("--no_ssh", "")
