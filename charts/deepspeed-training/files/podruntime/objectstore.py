@@ -48,6 +48,7 @@ from podruntime.text import Log
 
 PART_SIZE = 16 << 20  # multipart part size (S3's minimum is 5 MiB)
 PARALLEL = 4  # parts in flight per file
+MISSING = ("NoSuchKey", "NoSuchObject", "ResourceNotFound")  # the codes of an object that is not there
 POLL_S = 2.0
 BACKOFF_MAX_S = 60.0
 CHUNK = 1 << 20
@@ -275,9 +276,25 @@ class Uploader:
             self.store.stat_object(self.settings.bucket, key)
             return True
         except S3Error as err:
-            if err.code in ("NoSuchKey", "NoSuchObject", "ResourceNotFound"):
+            if err.code in MISSING:
                 return False
             raise
+
+    def read(self, key: str, limit: int) -> bytes | None:
+        """At most limit + 1 bytes of an object (more than `limit`: too large), None where there is none."""
+        from minio.error import S3Error  # noqa: PLC0415
+
+        try:
+            response = self.store.get_object(self.settings.bucket, key)
+        except S3Error as err:
+            if err.code in MISSING:
+                return None
+            raise
+        try:
+            return response.read(limit + 1)
+        finally:
+            response.close()
+            response.release_conn()
 
     def put_json(self, key: str, value: dict) -> None:
         data = json.dumps(value, indent=1).encode()
@@ -511,16 +528,11 @@ def claim_prefix(store, settings: Settings) -> str | None:
     from minio.error import S3Error  # noqa: PLC0415
 
     try:
-        response = store.get_object(settings.bucket, key)
-        try:
-            found = ownership.recorded_owner(response.read(4097)[:4096])
-        finally:
-            response.close()
-            response.release_conn()
+        data = uploader.read(key, ownership.RECORD_BYTES)
     except S3Error as err:
-        if err.code not in ("NoSuchKey", "NoSuchObject", "ResourceNotFound"):
-            raise StoreError(f"{settings.bucket}/{key}: {err.code}") from None
-        found = None
+        raise StoreError(f"{settings.bucket}/{key}: {err.code}") from None
+    found = ownership.UNREADABLE if data is not None and len(data) > ownership.RECORD_BYTES else \
+        ownership.recorded_owner(data)
     write, refusal = ownership.decide(found, settings.owner, settings.adopt, f"s3://{settings.bucket}/{settings.prefix}")
     if refusal:
         raise StoreError(refusal)

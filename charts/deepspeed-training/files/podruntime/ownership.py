@@ -25,6 +25,7 @@ from podruntime.tenantfiles import Tree
 
 OWNER_ENV, ADOPT_ENV = "DS_CHECKPOINT_OWNER", "DS_CHECKPOINT_ADOPT"
 RECORD = "owner.json"
+RECORD_BYTES = 4096  # a larger record is none of ours
 IDENTITY = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # the chart's schema and the glue take the same
 UNREADABLE = object()
 
@@ -66,7 +67,7 @@ def claim_volume(env=os.environ) -> str | None:
     if tree.stat(relpath) is None:
         found = None
     else:  # a link, a FIFO, a huge file: read_text refuses it (None), and whose data it is cannot be known
-        text = tree.read_text(relpath, 4096)
+        text = tree.read_text(relpath, RECORD_BYTES)
         found = UNREADABLE if text is None else recorded_owner(text)
     write, refusal = decide(found, ours, env.get(ADOPT_ENV, ""), tree.path(protocol.JOB_DIR))
     if write and not tree.write(relpath, json.dumps({"owner": ours})):
