@@ -306,14 +306,13 @@ class Ledger:
         cause = causes.decide(facts)
         begun = protocol.number((self.tree.read_text(f"{relpath}/begun", 64) or "").strip())
         ended = time.time()
-        returned = returned if returned is not None and begun is not None and begun <= returned <= ended else None
-        # The first watchdog's report and the first rank's word of its end, each only within the attempt (their
-        # times are the state directory's, which a rank can write): the next attempt's ranks count the time hung up
-        # to the report, and split the fault's loss at them (protocol.ATTEMPT_ENV).
+        # The first watchdog's report, the first sign of the end and the owner's run returning, each only within the
+        # attempt (the first two are the state directory's times, which a rank can write): the next attempt's ranks
+        # count the time hung up to the report, and split the fault's loss at them (protocol.ATTEMPT_ENV).
         def within(moment: float | None) -> float | None:
             return moment if moment and begun is not None and begun <= moment <= ended else None
         cause.update(begun=begun, ended=ended, hung_at=within(facts.hang_time), failed_at=within(facts.failed_time),
-                     returned=returned)
+                     returned=within(returned))
         self.keep(f"{relpath}/cause.json", json.dumps({k: v for k, v in cause.items() if v is not None}))
         if status == 0:
             self.say("done", cause="completed")
