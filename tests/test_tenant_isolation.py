@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from podruntime import ownership
 from tests.support.chart import CHART, HELM, HelmError, container, env_of, one, render_chart
 from tests.support.train_run import cpu_ds_config, run_single, write_ds_config
 from train import checkpoint, conventions
@@ -154,6 +155,24 @@ def test_a_checkpoint_names_its_release_and_another_release_is_refused(tmp_path)
         checkpoint.check_owner(manifest, tmp_path, "team-b/run")
 
 
+def test_where_both_name_a_project_identity_it_decides_and_the_platforms_adoption_is_ours(tmp_path, monkeypatch):
+    written = {"release": "team-a/run", "owner": "proj-old"}
+    monkeypatch.setenv(ownership.OWNER_ENV, "proj-new")
+    with pytest.raises(checkpoint.CheckpointError, match="belongs to project proj-old, not to proj-new"):
+        checkpoint.check_owner(written, tmp_path, "team-a/run")  # the same release name, another project
+    monkeypatch.setenv(ownership.ADOPT_ENV, "proj-old")
+    checkpoint.check_owner(written, tmp_path, "team-a/run")  # the platform adopted it
+    monkeypatch.delenv(ownership.ADOPT_ENV)
+    checkpoint.check_owner({**written, "owner": "proj-new"}, tmp_path, "team-a/run")  # a reinstall
+    checkpoint.check_owner({"release": "team-a/run"}, tmp_path, "team-a/run")  # written before identities
+    with pytest.raises(checkpoint.CheckpointError, match="belongs to release team-a/run, not to team-b/run"):
+        checkpoint.check_owner({"release": "team-a/run"}, tmp_path, "team-b/run")
+    # another release's checkpoints that the platform named (resumeFrom): that release's name decides
+    checkpoint.check_owner(written, tmp_path, "team-a/run", own=False)
+    with pytest.raises(checkpoint.CheckpointError, match="belongs to release team-a/run, not to team-x/old"):
+        checkpoint.check_owner(written, tmp_path, "team-x/old", own=False)
+
+
 def test_ranks_resume_their_own_release_and_another_only_through_the_platforms_opt_in(tmp_path):
     ds = write_ds_config(tmp_path, cpu_ds_config(stage=1, micro=2))
     model = ["--model.n-layer=1", "--model.d-model=16", "--model.n-head=2", "--model.seq-len=16", "--log-every=1"]
@@ -164,9 +183,10 @@ def test_ranks_resume_their_own_release_and_another_only_through_the_platforms_o
                            "--checkpoint-every=2", *model], DS_CHECKPOINT_DIR=str(directory),
                           DS_CONFIG_PATH=str(ds), **env)
 
-    first = train(a, 2, DS_RELEASE="team-a/run")
+    first = train(a, 2, DS_RELEASE="team-a/run", DS_CHECKPOINT_OWNER="proj-a")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert checkpoint.read_manifest(a / "step_00000002")["release"] == "team-a/run"
+    assert checkpoint.read_manifest(a / "step_00000002")["owner"] == "proj-a"
     stolen = train(a, 4, DS_RELEASE="team-b/run")  # its directory holds another release's checkpoint
     assert stolen.returncode == 2 and "belongs to release team-a/run, not to team-b/run" in stolen.stdout
     before = {p: p.stat().st_mtime_ns for p in a.rglob("*")}

@@ -41,6 +41,7 @@ from deepspeed.checkpoint.constants import (
 
 from podruntime import checkpoints as tags
 from podruntime.checkpoints import COMMIT_FILE, TAG_PATTERN
+from podruntime.ownership import ADOPT_ENV, OWNER_ENV
 from podruntime.tenantfiles import Tree
 from train import rankstate
 
@@ -170,9 +171,23 @@ def resume_source() -> tuple[Path, str] | None:
     return (Path(directory), owner) if directory and owner else None
 
 
-def check_owner(manifest: dict, tag_dir: Path, expected: str) -> None:
-    """A checkpoint names the release that wrote it; resuming another release's one is refused (checkpoints of
-    releases sharing a claim never mix). Checkpoints written outside the chart name none."""
+def identity() -> str:
+    """The platform-issued project identity that owns this run's storage (podruntime.ownership); "" without one."""
+    return os.environ.get(OWNER_ENV, "")
+
+
+def check_owner(manifest: dict, tag_dir: Path, expected: str, own: bool = True) -> None:
+    """A checkpoint names the release and the project identity that wrote it; resuming another's is refused
+    (checkpoints of releases sharing a claim never mix). In the release's own directory the identity decides where
+    both sides have one (a name can be taken again by another project; the platform's adoption, ADOPT_ENV, is
+    accepted as ours); else the release name does. Checkpoints written outside the chart name neither."""
+    writer, ours = manifest.get("owner", ""), identity()
+    if own and writer and ours:
+        if writer not in (ours, os.environ.get(ADOPT_ENV, "")):
+            raise CheckpointError(f"checkpoint {tag_dir} belongs to project {writer}, not to {ours}: a release "
+                                  "resumes only its own project's checkpoints (the platform adopts another's with "
+                                  "checkpoints.adoptOwner)")
+        return
     owner = manifest.get("release", "")
     if expected and owner and owner != expected:
         raise CheckpointError(f"checkpoint {tag_dir} belongs to release {owner}, not to {expected}: a release resumes "
@@ -367,13 +382,13 @@ def disk_error(ckpt_dir: Path, tag: str, err: BaseException) -> str:
 
 def commit(ckpt_dir: Path, step: int, keep: int, layout: dict, ds_config: dict, save_s: float) -> None:
     """Once every rank's files of the tag are durable: each directory's writer (writes_commits) records what its
-    directory holds. The manifest records the owning release, the layout and the ds_config (a resume checks and
-    compares them)."""
+    directory holds. The manifest records the owning release and identity, the layout and the ds_config (a resume
+    checks and compares them)."""
     if not writes_commits():
         return
     tag_dir = ckpt_dir / tag_for(step)
-    manifest = {"step": step, "release": release(), "save_s": round(save_s, 3), **layout, "storage": storage(),
-                "ds_config": ds_config, "files": files_of(tag_dir)}
+    manifest = {"step": step, "release": release(), "owner": identity(), "save_s": round(save_s, 3), **layout,
+                "storage": storage(), "ds_config": ds_config, "files": files_of(tag_dir)}
     write_atomic(tag_dir / COMMIT_FILE, json.dumps(manifest, indent=1))
     write_atomic(ckpt_dir / "latest", tag_dir.name)
     prune(ckpt_dir, keep)

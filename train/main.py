@@ -72,16 +72,16 @@ def resume(engine, cfg: TrainConfig, inputs: Inputs, rank: int, layout: dict) ->
     own_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if not own_dir:
         return 0, 0
-    ckpt_dir, owner = own_dir, checkpoint.release()
+    ckpt_dir, owner, own = own_dir, checkpoint.release(), True
     tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, layout["world_size"], logger)
     other_release = checkpoint.resume_source()
     if not tag and other_release:  # the platform's opt-in: start from another release's checkpoint
-        ckpt_dir, owner = other_release
+        (ckpt_dir, owner), own = other_release, False  # the platform named that release: its name decides
         tag = checkpoint.agree_on_resume_tag(ckpt_dir, rank, layout["world_size"], logger)
     if not tag:
         return 0, 0
     manifest = checkpoint.read_manifest(ckpt_dir / tag)
-    checkpoint.check_owner(manifest, ckpt_dir / tag, owner)
+    checkpoint.check_owner(manifest, ckpt_dir / tag, owner, own)
     if rank == 0:
         checkpoint.check_save_fits_grace(manifest, ckpt_dir / tag, logger)
     effect, kept = dsconfig.resume_changes(manifest.get("ds_config"), inputs.ds_config, cfg.reset_optimizer,
