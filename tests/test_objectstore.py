@@ -183,6 +183,25 @@ def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the
     assert {t: e["committed"] for t, e in keep1.bucket_tags().items()} == {"step_00000040": True}
 
 
+def test_a_programs_own_tags_are_kept_and_restored_by_their_step_not_their_names_order(gateway, tmp_path):
+    """A plain DeepSpeed program names its tags (`save_checkpoint(tag=f"step{n}")`) and marks the newest in `latest`:
+    the bucket keeps and restores the newest by the step its name ends with (by name, step950 sorts after step1000)."""
+    bucket = s3.new_bucket(gateway)
+    directory = tmp_path / "ckpt"
+    env = s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(directory), DS_OBJECT_STORE_KEEP="1")
+    for step in (950, 1000):
+        (directory / f"step{step}").mkdir(parents=True)
+        (directory / f"step{step}" / "mp_rank_00_model_states.pt").write_bytes(os.urandom(1 << 12))
+        (directory / "latest").write_text(f"step{step}")
+        uploader = objectstore.Uploader(settings(env))
+        uploader.step()
+        assert uploader.status["uploaded_step"] == step and uploader.status["committed_step"] == step
+    assert {t: e["committed"] for t, e in uploader.bucket_tags().items()} == {"step1000": True}
+    restored = s3.run_objectstore("restore", s3.store_env(gateway, bucket, DS_CHECKPOINT_DIR=str(tmp_path / "new")))
+    assert "restored step1000 from the bucket" in restored.stdout, restored.stdout + restored.stderr
+    assert (tmp_path / "new" / "latest").read_text() == "step1000"
+
+
 def test_a_project_that_took_anothers_release_name_finds_its_prefix_refused_and_a_reinstall_resumes(gateway,
                                                                                                      tmp_path):
     """The bucket's prefix is the release's name: a new project under a deleted one's name would restore that

@@ -206,6 +206,15 @@ def test_every_record_a_pod_program_reads_is_read_when_it_is_legitimate(tmp_path
     assert checkpoints.complete_tags(Tree(ckpt)) == ["global_step30", "checkpoint-20", "step_00000010"]
 
 
+def test_tags_are_ordered_by_the_step_their_name_ends_with_in_every_layout():
+    names = ["step950", "step1000", "global_step99", "checkpoint-1001", "step_00000100", "final", "epoch3-step10"]
+    assert sorted(names, key=checkpoints.order, reverse=True) == [
+        "checkpoint-1001", "step1000", "step950", "step_00000100", "global_step99", "final", "epoch3-step10"]
+    assert [checkpoints.step_of(n) for n in ("step950", "final", "epoch3-step10", "200")] == [950, None, None, None]
+    assert [checkpoints.of_a_known_layout(n) for n in ("step_00000100", "checkpoint-3", "global_step3", "run2")] == [
+        True, True, True, False]
+
+
 # ---------------------------------------------------------------- checkpoint tags: one positive grammar
 
 @pytest.mark.parametrize("latest", ["..", ".", "../etc", "a/b", "x\x1b[2J", "", "global_step30\n\nextra"])

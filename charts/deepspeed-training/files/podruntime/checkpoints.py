@@ -31,6 +31,7 @@ COMMIT_FILE = "commit.json"
 TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
 TRAINER_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 DEEPSPEED_PATTERN = re.compile(r"^global_step(\d+)$")
+NAMED_STEP = re.compile(r"^\D+(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
 MAX_COMMIT_BYTES = 64 << 20  # a commit record lists every file of a tag: thousands on a large run
@@ -41,16 +42,22 @@ def is_tag_name(name: str) -> bool:
 
 
 def step_of(name: str) -> int | None:
-    """The step a tag's name says (`step_00000200`, `checkpoint-200`, DeepSpeed's `global_step200`), else None."""
-    for pattern in (TAG_PATTERN, TRAINER_PATTERN, DEEPSPEED_PATTERN):
-        match = pattern.match(name)
-        if match:
-            return int(match.group(1))
-    return None
+    """The step a tag's name says: the number it ends with where that is its only one (`step_00000200`,
+    `checkpoint-200`, DeepSpeed's `global_step200` and a program's own `save_checkpoint(tag=f"step{n}")`), else
+    None (`epoch3-step10`, `final`)."""
+    match = NAMED_STEP.match(name)
+    return int(match.group(1)) if match else None
+
+
+def of_a_known_layout(name: str) -> bool:
+    """Whether a directory's name is a tag of the three layouts (not merely one ending in a number: a program's
+    own `run2/` beside its tags is not one)."""
+    return any(pattern.match(name) for pattern in (TAG_PATTERN, TRAINER_PATTERN, DEEPSPEED_PATTERN))
 
 
 def order(tag: str) -> tuple[int, str]:
-    """The sort key of a tag: its step, then its name."""
+    """The sort key of a tag: its step, then its name (`step1000` is newer than `step950`, which a name's order
+    would not say)."""
     step = step_of(tag)
     return (step if step is not None else -1), tag
 

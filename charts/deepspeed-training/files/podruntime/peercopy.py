@@ -628,7 +628,7 @@ def prepare(ring: Ring, volume: Tree, tag: str | None, from_peer: bool) -> str:
         seconds = time.monotonic() - started
         done.append(f"fetched its part of {tag} from worker {ring.keeper} ({mib(total)} in {seconds:.1f}s, "
                     f"{mib(total / seconds if seconds > 0 else 0)}/s)")
-    newer = [name for name in volume.dirs() if valid_tag(name) and checkpoints.step_of(name) is not None
+    newer = [name for name in volume.dirs() if valid_tag(name) and checkpoints.of_a_known_layout(name)
              and checkpoints.order(name) > checkpoints.order(tag)]
     if newer:
         volume.remove(ASIDE)
