@@ -18,7 +18,7 @@ import pytest
 
 from podruntime import protocol
 from tests.support.chart import ROOT, pod_program
-from tests.support.harness import wait_for, write_projected
+from tests.support.harness import own_pid_namespace, signal_pid1, wait_for, write_projected
 from tests.support.ports import free_port
 
 # DeepSpeed's launcher's stand-in: one rank that beats to FAKE_STEP, then ends as FAKE_<worker>_<attempt> says:
@@ -85,8 +85,15 @@ class Workers:
                                                                                           "attempts"),
                    "DS_RUN_RETRIES": str(retries), "DS_JOB_UID": "job1", "DS_KILL_GRACE_SECONDS": "10", **fake}
             log = open(tmp / f"w{index}.log", "w")  # noqa: SIM115 - the process's, closed at its end
-            self.processes.append(subprocess.Popen(pod_program("nossh-worker", str(launcher)), env=env, stdout=log,
-                                                   stderr=subprocess.STDOUT, start_new_session=True))
+            # its own PID namespace, as a pod's: its rank stopper finds its ranks only (not the other worker's, nor
+            # another test's on this machine)
+            self.processes.append(subprocess.Popen(own_pid_namespace(pod_program("nossh-worker", str(launcher))),
+                                                   env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                   start_new_session=True))
+
+    def signal(self, index: int, sig: int) -> None:
+        """`sig` to worker `index`'s loop, as the kubelet signals a container."""
+        signal_pid1(self.processes[index], sig)
 
     def log(self, index: int) -> str:
         return (self.tmp / f"w{index}.log").read_text()
@@ -153,7 +160,7 @@ def test_a_sigterm_to_any_worker_is_a_preemption_on_per_pod_volumes_and_ends_the
     workers = Workers(tmp_path, retries=0, FAKE_0_1="wait", FAKE_1_1="wait")
     wait_for(lambda: "running (run-0001" in workers.log(0) and "running (run-0001" in workers.log(1), 60,
              "the first attempt", workers.both)
-    os.kill(workers.processes[1].pid, signal.SIGTERM)
+    workers.signal(1, signal.SIGTERM)
     assert workers.processes[1].wait(timeout=60) == protocol.EXIT_STOPPED, workers.both()
     wait_for(lambda: workers.causes(), 60, "attempt 1's cause", workers.both)
     assert workers.causes()[0]["cause"] == "preempted", workers.causes()
@@ -164,7 +171,7 @@ def test_a_sigterm_to_any_worker_is_a_preemption_on_per_pod_volumes_and_ends_the
     # Worker 1's end said it stopped: it is leaving, not ready; worker 0 waits for its replacement.
     wait_for(lambda: "1/2 here; waiting for" in workers.log(0), 30, "worker 0 to wait for worker 1", workers.both)
     assert "attempt 2" not in workers.log(0), workers.both()
-    os.kill(workers.processes[0].pid, signal.SIGTERM)  # the Job's end: nothing more to see here
+    workers.signal(0, signal.SIGTERM)  # the Job's end: nothing more to see here
     workers.wait()
 
 
@@ -179,7 +186,7 @@ def test_a_worker_that_vanishes_mid_run_is_node_lost_and_its_peers_run_ends_at_o
     assert workers.causes()[0]["cause"] == "node-lost", workers.causes()
     assert re.search(r"left without a word \(its connection dropped\): run-0001-\w+ cannot go on", workers.log(0)), \
         workers.both()
-    os.kill(workers.processes[0].pid, signal.SIGTERM)
+    workers.signal(0, signal.SIGTERM)
     workers.wait()
 
 
@@ -189,13 +196,13 @@ def test_a_sigterm_to_worker_0_ends_every_workers_run(tmp_path):
     workers = Workers(tmp_path, retries=0, FAKE_0_1="wait", FAKE_1_1="wait")
     wait_for(lambda: "running (run-0001" in workers.log(0) and "running (run-0001" in workers.log(1), 60,
              "the first attempt", workers.both)
-    os.kill(workers.processes[0].pid, signal.SIGTERM)
+    workers.signal(0, signal.SIGTERM)
     assert workers.processes[0].wait(timeout=60) == protocol.EXIT_STOPPED, workers.both()
     wait_for(lambda: "DeepSpeed exited with status 143" in workers.log(1), 30, "worker 1's run to end", workers.both)
     assert re.search(r"worker 1: worker 0 says \S+ got SIGTERM: run-0001-\w+ cannot go on", workers.log(1)), \
         workers.both()
     assert workers.causes()[0]["cause"] == "preempted", workers.causes()
-    os.kill(workers.processes[1].pid, signal.SIGTERM)
+    workers.signal(1, signal.SIGTERM)
     workers.wait()
 
 

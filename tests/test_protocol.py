@@ -17,6 +17,7 @@ import pytest
 from podruntime import causes, protocol
 from podruntime.text import clean, duration, lines
 from tests.support.chart import CHART, ROOT, SCRIPTS, pod_program
+from tests.support.harness import own_pid_namespace
 
 PACKAGE = SCRIPTS / "podruntime"
 
@@ -237,7 +238,7 @@ def test_the_pod_programs_run_from_the_charts_files_as_the_pods_run_them(tmp_pat
     assert usage.returncode == 2 and "launcher DEEPSPEED_COMMAND" in usage.stderr
     state = tmp_path / "ranks"
     state.mkdir()
-    stopped = subprocess.run(pod_program("stop-ranks"), env={"PATH": os.environ["PATH"],
-                                                             protocol.STATE_DIR_ENV: str(state)},
-                             capture_output=True, text=True, timeout=30)
+    # in a PID namespace of its own, as in a pod: this machine's other ranks (another test's) are not its to stop
+    stopped = subprocess.run(own_pid_namespace(pod_program("stop-ranks")), env={
+        "PATH": os.environ["PATH"], protocol.STATE_DIR_ENV: str(state)}, capture_output=True, text=True, timeout=30)
     assert stopped.returncode == 0 and stopped.stdout == "", stopped.stderr  # no ranks here: nothing to say

@@ -423,15 +423,7 @@ class Cluster:
 
     def signal_main(self, process: subprocess.Popen, sig: int) -> None:
         """`sig` to the container's PID 1 (what the kubelet signals): the child of our `unshare --fork`."""
-        for stat in Path("/proc").glob("[0-9]*/stat"):  # (the `children` file can miss one: not atomic)
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == process.pid:
-                os.kill(int(stat.parent.name), sig)
-                return
-        raise RuntimeError(f"the pod of process {process.pid} has no PID 1 (it ended: {process.poll()})")
+        signal_pid1(process, sig)
 
     def pids(self, pod: Pod) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", pod.netns], capture_output=True, text=True).stdout
@@ -526,6 +518,27 @@ class Cluster:
 
 
 SSH_PORT = 2222  # the chart's default ssh.port, which the e2e values keep
+
+
+def own_pid_namespace(argv: list[str]) -> list[str]:
+    """argv as a pod's container runs it, in a PID namespace of its own: the pod programs that find this host's
+    ranks in /proc (podruntime/ranks.py) then see their own, never another test's ranks on this machine.
+    signal_pid1 signals it as the kubelet would."""
+    rootless = ["--user", "--map-root-user"] if os.getuid() else []
+    return ["unshare", *rootless, "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
+
+
+def signal_pid1(process: subprocess.Popen, sig: int) -> None:
+    """`sig` to the PID 1 of the namespace `process` (an `unshare --fork`) made: its child."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):  # (the `children` file can miss one: not atomic)
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == process.pid:
+            os.kill(int(stat.parent.name), sig)
+            return
+    raise RuntimeError(f"the pod of process {process.pid} has no PID 1 (it ended: {process.poll()})")
 
 
 def wait(process: subprocess.Popen, timeout: float) -> int:
