@@ -159,12 +159,15 @@ image-push: ## Tag and push the image: make image-push REGISTRY=registry.example
 	$(if $(REGISTRY),,$(error REGISTRY is required: `make image-push REGISTRY=registry.example.com/ml`))
 	REGISTRY=$(REGISTRY) bash scripts/image.sh push
 
-.PHONY: test-image
-test-image: ## Build the CPU and sidecar images with podman (debootstrapped base); run a launcher + 2 workers in them.
+.PHONY: test-images-build
+test-images-build: ## What test-image builds, without its tests: podman, the debootstrapped base, the CPU and sidecar images.
 	bash scripts/setup-podman.sh
 	bash scripts/image.sh base
 	VARIANT=cpu bash scripts/image.sh build
 	bash scripts/image.sh build_sidecar
+
+.PHONY: test-image
+test-image: test-images-build ## Build the CPU and sidecar images with podman (debootstrapped base); run a launcher + 2 workers in them.
 	DS_TEST_IMAGE=deepspeed-train:$(VERSION)-cpu DS_TEST_SIDECAR_IMAGE=deepspeed-sidecar:$(VERSION) \
 	  CONTAINERS_CONF=$(ROOT)/.build/containers.conf pytest tests/image -v
 
