@@ -282,3 +282,56 @@ def test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods(shared_dir, t
     assert "hf_trainer: done at global step 20" in log, log[-3000:]
     print("\n| the Trainer example, every pod and volume lost | restored checkpoint-10 from the bucket on both workers "
           "| resumed there, done at global step 20 |")
+
+
+@pytest.mark.skipif("objectstore" not in os.environ.get("DS_DRILLS", ""),
+                    reason="a long drill: `make drill-objectstore` runs it (DS_DRILLS=objectstore)")
+def test_a_plain_deepspeed_program_resumes_from_the_bucket_in_fresh_pods(shared_dir):
+    """The DeepSpeedExamples-style program, unchanged, on per-worker volumes with the bucket tier: each worker's part
+    of the tag its `latest` names goes up (the savehook marks every node's), every pod and volume is lost, the new
+    pods' restore steps fetch their parts and every node's `latest`, and every rank resumes from that one tag.
+    (CI: tests/test_objectstore.py's own-tags test and the per-worker restore of the train package's tags.)"""
+    from tests.support import s3  # noqa: PLC0415
+
+    if s3.unavailable():
+        pytest.skip(s3.unavailable())
+    gateway = s3.up()
+    bucket = s3.new_bucket(gateway)
+
+    def values(steps: int) -> dict:
+        found = program_values(shared_dir, module="examples.ds_argparse", argsConvention="deepspeed",
+                               args=[f"--steps={steps}", "--save_every=50"])
+        del found["checkpoints"]
+        return found
+
+    with Cluster(render(values(100))) as cluster:
+        code, log = cluster.run_launcher(timeout=300)
+        assert code == 0, log[-5000:]
+        workers = cluster.pods_of("worker")
+        volumes = [cluster.checkpoint_dir(w) for w in workers]
+        assert [(v / "latest").read_text() for v in volumes] == ["step100"] * 2
+        for node in (1, 0):  # node 0 last: it commits once every part is there
+            uploads = s3.upload_round(s3.worker_env(gateway, bucket, volumes[node], node), rounds=2,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = uploads.communicate(timeout=300)
+            assert uploads.returncode == 0 and "uploaded step100" in err, out + err
+        assert "committed step100 in the bucket (2 part(s))" in err, err
+    with Cluster(render(values(150))) as cluster:
+        workers = cluster.start_workers()
+        for node, worker in enumerate(workers):
+            volume = cluster.checkpoint_dir(worker)
+            assert not any(volume.iterdir()), sorted(volume.iterdir())  # a fresh pod's volume
+            restored = s3.run_objectstore("restore", s3.worker_env(gateway, bucket, volume, node), timeout=300,
+                                          user=UID)
+            assert restored.returncode == 0, restored.stderr
+            assert f"restored step100 from the bucket into {volume / 'step100'} (node {node}'s part" \
+                in restored.stdout, restored.stdout
+            assert (volume / "latest").read_text() == "step100"
+        code = wait(cluster.start(cluster.pods_of("launcher")[0]), timeout=300)
+        log = cluster.pods_of("launcher")[0].log()
+    assert code == 0, log[-5000:]
+    resumed = set(re.findall(r"ds_argparse: rank (\d) resumed from /checkpoints/(step\d+)/\S+ at step (\d+)", log))
+    assert resumed == {("0", "step100", "100"), ("1", "step100", "100")}, resumed
+    assert "ds_argparse: saved /checkpoints/step150" in log
+    print(f"\n| ds_argparse, every pod and volume lost | restored step100 from the bucket on both workers "
+          f"| {sorted(resumed)} |")
