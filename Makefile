@@ -12,6 +12,7 @@ export PATH := $(ROOT)/.venv/bin:$(ROOT)/.tools/bin:$(PATH)
 # DeepSpeed's JIT-built ops, built once by `make setup`.
 export TORCH_EXTENSIONS_DIR := $(ROOT)/.build/torch_extensions
 PYTEST_ARGS ?=
+SOAK_ARGS ?=
 # pytest processes for `make test`: the suite waits on ranks, sshd and helm more than it computes (two processes keep
 # 55% of 2 cores busy), so three share this machine's cores (636 s -> 598 s); each takes whole test files (module
 # fixtures stay shared), in collection order: the long multi-host files of tests/e2e first, not last (xdist's default
@@ -36,10 +37,11 @@ override DRY_RUN := $(value DRY_RUN)
 override WAIT := $(value WAIT)
 override REGISTRY := $(value REGISTRY)
 override PYTEST_ARGS := $(value PYTEST_ARGS)
+override SOAK_ARGS := $(value SOAK_ARGS)
 override TEST_WORKERS := $(value TEST_WORKERS)
 override RANK := $(value RANK)
 override ATTEMPT := $(value ATTEMPT)
-export ENV PROJECT KUBE_CONTEXT TEST_WORKERS
+export ENV PROJECT KUBE_CONTEXT TEST_WORKERS SOAK_ARGS
 # A refused value as the error shows it: quoted, on one line. Never expanded again (make expands a reference once).
 define newline
 
@@ -185,10 +187,15 @@ test-image-cuda: ## Build the CUDA image and its Hugging Face layer with podman 
 test-cluster: ## The cluster tier on a real Kubernetes: the local one-node cluster of ../shared/k8s (root), or KUBECONFIG + DS_IMAGE.
 	bash scripts/test-cluster.sh
 
+.PHONY: soak
+soak: ## Half an hour on the real kubelet with a fault every 3 minutes, and each fault's loss and the goodput (root; not in CI; after make test-image). SOAK_ARGS="--minutes 30 --fault-every 180 --mode ssh"
+	bash scripts/test-cluster.sh --run sh -c 'exec python bench/soak.py $$SOAK_ARGS'
+
 .PHONY: drill-objectstore
-drill-objectstore: ## The object store's long drills (not in CI): 20 uploads killed mid-tag, a resume from the bucket on another world size, the gateway frozen 60 s (root).
+drill-objectstore: ## The object store's long drills (not in CI): 20 uploads killed mid-tag, a resume from the bucket on another world size, the gateway frozen 60 s, the Trainer and plain DeepSpeed examples from the bucket (root).
 	DS_DRILLS=objectstore MEMSTORE_BYTES=$$((6 << 30)) pytest tests/drills \
-	  tests/e2e/test_byo_programs.py::test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods -v -s
+	  tests/e2e/test_byo_programs.py::test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods \
+	  tests/e2e/test_byo_programs.py::test_a_plain_deepspeed_program_resumes_from_the_bucket_in_fresh_pods -v -s
 
 .PHONY: drill-faults
 drill-faults: ## The fault drill (not all in CI): real faults (tests/drills/test_fault_drill.py CASES), both launch modes, the train package and a Trainer; prints expected vs reported causes (root).

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make test-cluster`: the cluster tier (tests/cluster) on a real Kubernetes.
+# `make test-cluster`: the cluster tier (tests/cluster) on a real Kubernetes. `--run COMMAND...` runs COMMAND
+# there instead of the tier, with the same cluster and images (`make soak`).
 #   - KUBECONFIG set: run against that cluster (kind, a real one); DS_IMAGE names an image its nodes can pull, and
 #     DS_SIDECAR_IMAGE the progress sidecar's (optional: without it the sidecar runs DS_IMAGE).
 #   - otherwise: bring up the one-node Kubernetes of ../shared/k8s (root only) in .build/k8s, load the CPU and sidecar
@@ -18,11 +19,16 @@ pytest_args=(tests/cluster -n "${CLUSTER_TEST_WORKERS:-2}" --dist load --maxsche
   --durations=0)
 read -ra extra <<< "${CLUSTER_PYTEST_ARGS:-}"  # e.g. CLUSTER_PYTEST_ARGS="-k bucket": some of the tier
 pytest_args+=("${extra[@]}")
+command=(pytest "${pytest_args[@]}")
+if [[ "${1:-}" == --run ]]; then
+  shift
+  command=("$@")
+fi
 
 if [[ -n "${KUBECONFIG:-}" ]]; then
   : "${DS_IMAGE:?DS_IMAGE is required with KUBECONFIG: an image of docker/Dockerfile (VARIANT=cpu) the nodes can pull}"
   log "running against KUBECONFIG=$KUBECONFIG with $DS_IMAGE"
-  exec pytest "${pytest_args[@]}"
+  exec "${command[@]}"
 fi
 
 k8s="${LOCAL_K8S_DIR:-$root/../shared/k8s}"
@@ -69,4 +75,4 @@ for i in "${!saves[@]}"; do  # one after the other: two at once take as long (me
   rm -f "$archives/$i.tar"
 done
 log "images $image and $sidecar_image loaded $((SECONDS - started))s after the start"
-DS_IMAGE="$image" DS_SIDECAR_IMAGE="$sidecar_image" LOCAL_K8S="$k8s/local-k8s.sh" LOCAL_K8S_STATE="$state" pytest "${pytest_args[@]}"
+DS_IMAGE="$image" DS_SIDECAR_IMAGE="$sidecar_image" LOCAL_K8S="$k8s/local-k8s.sh" LOCAL_K8S_STATE="$state" "${command[@]}"
