@@ -3,8 +3,8 @@ and what each fault cost, measured two ways.
 
 The cluster tier's sizing (charts/deepspeed-training/ci/09-small-node-values.yaml: two CPU workers on the one-node
 Kubernetes of ../shared/k8s), the chart's default storage (a volume per worker pod, the peer copy) plus the local
-RADOS Gateway as the bucket tier, a checkpoint every --checkpoint-every steps (about --save-seconds), the chart's
-default hang detection. Every --fault-every seconds, one fault, in turn:
+RADOS Gateway as the bucket tier, a checkpoint every --checkpoint-every steps (the report says how many seconds that
+was), the chart's default hang detection. Every --fault-every seconds, one fault, in turn:
 
     kill-rank            kill -9 of worker 1's rank (a crash: one failure spent)
     stop-rank            SIGSTOP of worker 1's rank (a hang: found by its signals, one failure)
@@ -12,9 +12,9 @@ default hang detection. Every --fault-every seconds, one fault, in turn:
     force-delete-worker  the same with --grace-period=0 --force
     delete-all-pods      every pod of the release deleted (every volume lost: the bucket, a preemption)
 
-A fault's loss is the time from the fault until rank 0 logs a step past the last step it had logged before it
-(detection, restart, restore and the steps trained again). A fault is not injected before the last one's run is
-back past its step and has trained --settle seconds more.
+A fault's loss is the time from the fault until rank 0 logs a step past the last step it had reached when the fault
+stopped it (detection, restart, restore and the steps trained again). A fault is not injected before the last one's
+run is back past its step and has trained --settle seconds more.
 
 Goodput two ways: the chart's own accounting (the progress ConfigMap's `goodput`, train/goodput.py) and an
 independent stopwatch here: the steps trained (rank 0's newest step) times the fault-free seconds per step (the
@@ -48,6 +48,7 @@ from tests.support import s3  # noqa: E402
 
 KINDS = ("kill-rank", "stop-rank", "delete-worker", "force-delete-worker", "delete-all-pods")
 STEP_LINE = re.compile(r"^(\S+) .*INFO step (\d+)/")
+GAP_S = 3.0  # no line from rank 0 for this long: training stopped
 
 
 def kubectl(*args: str, namespace: str, check: bool = False, timeout: float = 60) -> str:
@@ -93,9 +94,21 @@ class Rank0Log:
     def newest(self, before: float | None = None) -> int:
         return max((s for t, s in self.steps() if before is None or t <= before), default=0)
 
-    def past(self, step: int, after: float) -> float | None:
-        """When rank 0 first logged a step past `step` after the time `after`."""
-        return min((t for t, s in self.steps() if t > after and s > step), default=None)
+    def recovery(self, at: float) -> tuple[int, float] | None:
+        """(the step training had reached when the fault stopped it, when rank 0 first logged a step past it again)
+        for a fault at `at`; None until then. The stop is the first gap of GAP_S or more in rank 0's lines after
+        `at` (healthy lines come every few tens of milliseconds), so the steps trained while the fault took effect
+        (a pod's deletion reaches its ranks a second or two later) count as reached, and lines still in a pipe do
+        not count as the recovery."""
+        steps = self.steps()
+        previous = max((line for line in steps if line[0] <= at), default=None)
+        for line in (line for line in steps if line[0] > at):
+            if previous is not None and line[0] - previous[0] >= GAP_S:
+                stopped = max(s for t, s in steps if t <= previous[0])
+                back = min((t for t, s in steps if t >= line[0] and s > stopped), default=None)
+                return (stopped, back) if back is not None else None
+            previous = line
+        return None
 
     def clean_step_s(self) -> float:
         """The fault-free seconds per step: the median of consecutive logged intervals (saves and faults fall in
@@ -137,7 +150,8 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=30, help="seconds of training past a recovery before the "
                         "next fault")
     parser.add_argument("--mode", choices=("ssh", "nossh"), default="ssh")
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps")
+    parser.add_argument("--checkpoint-every", type=int, default=400, help="steps (the tier's model trains about 40 "
+                        "steps/s on 2 cores: a save every 10 s)")
     parser.add_argument("--kinds", default=",".join(KINDS))
     args = parser.parse_args()
     if tier.REASON:
@@ -175,12 +189,12 @@ def main() -> int:
             kind = kinds[turn % len(kinds)]
             turn += 1
             at = time.time()
-            step = log.newest(before=at)
             inject(kind, namespace, args.mode)
-            back = tier.wait_for(lambda step=step, at=at: log.past(step, at), 900,
-                                 f"training past step {step} after {kind}", lambda: tier.diagnose(namespace))
+            step, back = tier.wait_for(lambda at=at: log.recovery(at), 900, f"training past its step after {kind}",
+                                       lambda: tier.diagnose(namespace))
             faults.append({"kind": kind, "at": at, "step": step, "loss": back - at})
-            print(f"soak: {kind} at step {step}: training past it {back - at:.1f}s later", flush=True)
+            print(f"soak: {kind}: stopped at step {step}, training past it {back - at:.1f}s after the fault",
+                  flush=True)
             next_at = max(at + args.fault_every, time.time() + args.settle)
         time.sleep(10)  # the sidecar's last publication (at most every 2 s) of rank 0's newest record
         goodput = chart_goodput(namespace)
@@ -214,7 +228,8 @@ def report(faults, kinds, goodput, stopwatch, fault_free, clean, wall, args) -> 
     chart = f"{100 * goodput:.1f}%" if goodput is not None else "not published"
     rows += ["", "| goodput | value |", "| --- | --- |",
              f"| the chart's own (progress ConfigMap) | {chart} |",
-             f"| stopwatch: steps x {clean:.3f} s/step over {wall:.0f} s of wall | {100 * stopwatch:.1f}% |",
+             f"| stopwatch: steps x {clean:.4f} s/step over {wall:.0f} s of wall (a save every "
+             f"{args.checkpoint_every * clean:.1f} s) | {100 * stopwatch:.1f}% |",
              f"| fault-free (first step to first fault: save stalls) | {100 * fault_free:.1f}% |",
              f"| at this soak's interval ({args.fault_every:.0f} s, {len(faults)} faults) | {100 * stopwatch:.1f}% |",
              f"| projected at one fault every 30 minutes (mean loss {mean:.1f} s) | "
