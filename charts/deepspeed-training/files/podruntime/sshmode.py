@@ -41,7 +41,10 @@ STOP_RANKS = (f"pgrep -u \"$(id -u)\" -f -- '{ranks.LAUNCHER.replace('.', '[.]')
 LOG_EVERY_S = 10
 FIRST_PAUSES = (0.1, 0.25, 0.5)  # the first rounds come sooner: pods that are starting answer within a second
 EVIDENCE_S = 120  # one pdsh round for every worker's evidence of a failed run
-EVIDENCE_AFTER_STOP_S = 10
+# After a stop: the launcher's grace period is the workers' + 30 s (templates/job.yaml) and the ranks' save may take
+# all of theirs but 10 s (killGraceSeconds), so 40 s are left; 10 s ran out on a loaded 2-CPU node (CI: a deleted
+# launcher's attempt lost its step, `make why` said none), 20 s leaves the ledger's write 20 s.
+EVIDENCE_AFTER_STOP_S = 20
 
 
 def pdsh_env(env=os.environ) -> dict[str, str]:
