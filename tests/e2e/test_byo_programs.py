@@ -241,6 +241,33 @@ def test_a_script_gets_the_charts_paths_through_placeholders(shared_dir):
         assert (cluster.checkpoint_dir() / "run1" / "step10").is_dir()
 
 
+def upload_every_part(s3, gateway: dict, bucket: str, volumes: list, tag: str) -> None:
+    """Each worker's part of `tag` sent to the bucket as its sidecar's uploader sends it, node 0 last (it commits
+    once every part is there)."""
+    for node in (1, 0):
+        uploads = s3.upload_round(s3.worker_env(gateway, bucket, volumes[node], node), rounds=2,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = uploads.communicate(timeout=300)
+        assert uploads.returncode == 0 and f"uploaded {tag}" in err, out + err
+    assert f"committed {tag} in the bucket (2 part(s))" in err, err
+
+
+def restore_into_fresh_workers(s3, gateway: dict, bucket: str, cluster, tag: str) -> list:
+    """The new pods' restore step (objectstore restore, as the pods' user) fills each fresh worker volume with its
+    part of `tag` from the bucket; the volumes."""
+    volumes = []
+    for node, worker in enumerate(cluster.start_workers()):
+        volume = cluster.checkpoint_dir(worker)
+        assert not any(volume.iterdir()), sorted(volume.iterdir())  # a fresh pod's volume
+        restored = s3.run_objectstore("restore", s3.worker_env(gateway, bucket, volume, node), timeout=300,
+                                      user=UID)
+        assert restored.returncode == 0, restored.stderr
+        assert f"restored {tag} from the bucket into {volume / tag} (node {node}'s part" in restored.stdout, \
+            restored.stdout
+        volumes.append(volume)
+    return volumes
+
+
 @pytest.mark.skipif("objectstore" not in os.environ.get("DS_DRILLS", ""),
                     reason="a long drill: `make drill-objectstore` runs it (DS_DRILLS=objectstore)")
 def test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods(shared_dir, tmp_path):
@@ -258,23 +285,10 @@ def test_the_trainer_example_resumes_from_the_bucket_in_fresh_pods(shared_dir, t
     with Cluster(render(trainer_values(shared_dir, 10))) as cluster:
         code, log = cluster.run_launcher(timeout=300)
         assert code == 0, log[-5000:]
-        volumes = [cluster.checkpoint_dir(w) for w in cluster.pods_of("worker")]
-        for node in (1, 0):  # node 0 last: it commits once every part is there
-            uploads = s3.upload_round(s3.worker_env(gateway, bucket, volumes[node], node), rounds=2,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            out, err = uploads.communicate(timeout=300)
-            assert uploads.returncode == 0 and "uploaded checkpoint-10" in err, out + err
-        assert "committed checkpoint-10 in the bucket (2 part(s))" in err, err
+        upload_every_part(s3, gateway, bucket, [cluster.checkpoint_dir(w) for w in cluster.pods_of("worker")],
+                          "checkpoint-10")
     with Cluster(render(trainer_values(shared_dir, 20))) as cluster:
-        workers = cluster.start_workers()
-        for node, worker in enumerate(workers):
-            volume = cluster.checkpoint_dir(worker)
-            assert not any(volume.iterdir()), sorted(volume.iterdir())  # a fresh pod's volume
-            restored = s3.run_objectstore("restore", s3.worker_env(gateway, bucket, volume, node), timeout=300,
-                                          user=UID)
-            assert restored.returncode == 0, restored.stderr
-            assert f"restored checkpoint-10 from the bucket into {volume / 'checkpoint-10'} (node {node}'s part" \
-                in restored.stdout, restored.stdout
+        restore_into_fresh_workers(s3, gateway, bucket, cluster, "checkpoint-10")
         code = wait(cluster.start(cluster.pods_of("launcher")[0]), timeout=300)
         log = cluster.pods_of("launcher")[0].log()
     assert code == 0, log[-5000:]
@@ -307,26 +321,12 @@ def test_a_plain_deepspeed_program_resumes_from_the_bucket_in_fresh_pods(shared_
     with Cluster(render(values(100))) as cluster:
         code, log = cluster.run_launcher(timeout=300)
         assert code == 0, log[-5000:]
-        workers = cluster.pods_of("worker")
-        volumes = [cluster.checkpoint_dir(w) for w in workers]
+        volumes = [cluster.checkpoint_dir(w) for w in cluster.pods_of("worker")]
         assert [(v / "latest").read_text() for v in volumes] == ["step100"] * 2
-        for node in (1, 0):  # node 0 last: it commits once every part is there
-            uploads = s3.upload_round(s3.worker_env(gateway, bucket, volumes[node], node), rounds=2,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            out, err = uploads.communicate(timeout=300)
-            assert uploads.returncode == 0 and "uploaded step100" in err, out + err
-        assert "committed step100 in the bucket (2 part(s))" in err, err
+        upload_every_part(s3, gateway, bucket, volumes, "step100")
     with Cluster(render(values(150))) as cluster:
-        workers = cluster.start_workers()
-        for node, worker in enumerate(workers):
-            volume = cluster.checkpoint_dir(worker)
-            assert not any(volume.iterdir()), sorted(volume.iterdir())  # a fresh pod's volume
-            restored = s3.run_objectstore("restore", s3.worker_env(gateway, bucket, volume, node), timeout=300,
-                                          user=UID)
-            assert restored.returncode == 0, restored.stderr
-            assert f"restored step100 from the bucket into {volume / 'step100'} (node {node}'s part" \
-                in restored.stdout, restored.stdout
-            assert (volume / "latest").read_text() == "step100"
+        volumes = restore_into_fresh_workers(s3, gateway, bucket, cluster, "step100")
+        assert [(v / "latest").read_text() for v in volumes] == ["step100"] * 2
         code = wait(cluster.start(cluster.pods_of("launcher")[0]), timeout=300)
         log = cluster.pods_of("launcher")[0].log()
     assert code == 0, log[-5000:]
