@@ -183,6 +183,68 @@ def test_a_tag_whose_upload_was_killed_is_never_restored_and_retention_keeps_the
     assert {t: e["committed"] for t, e in keep1.bucket_tags().items()} == {"step_00000040": True}
 
 
+def test_every_workers_restore_chooses_the_tag_a_stopped_pod_was_still_uploading(gateway, tmp_path):
+    """The pods of a preempted job end at different times, each uploading its part of the stop's checkpoint as it
+    ends, and a pod's replacement starts once it ended: a restore that finds its own node's part of a tag newer than
+    the newest committed waits for the others' and commits it, so every worker restores the same tag (choosing the
+    newest committed at once, node 0 took step 10 and node 1 step 20 here, and no tag was held by both). A tag that
+    lacks the restoring node's part is never completed and is passed over at once; one whose other part never comes
+    is given up after the grace period."""
+    bucket = s3.new_bucket(gateway)
+    old = [tmp_path / "old-0", tmp_path / "old-1"]
+
+    def save(node: int, step: int) -> None:
+        tag = old[node] / checkpoint.tag_for(step)
+        tag.mkdir(parents=True)
+        (tag / f"shard-{node}.pt").write_bytes(os.urandom(1 << 16))
+        (tag / "commit.json").write_text(json.dumps({"step": step, "files": checkpoint.files_of(tag)}))
+
+    def restore(node: int, into: str, grace: str, **kwargs):
+        env = s3.worker_env(gateway, bucket, tmp_path / into, node, DS_WORKER_GRACE_SECONDS=grace)
+        return s3.run_objectstore("restore", env, **kwargs)
+
+    uploaders = [objectstore.Uploader(settings(s3.worker_env(gateway, bucket, old[n], n))) for n in (0, 1)]
+    for step in (10, 20):
+        save(0, step)
+        if step == 10:
+            save(1, step)
+            uploaders[1].step()
+        uploaders[0].step()
+    assert {t: e["committed"] for t, e in uploaders[0].bucket_tags().items()} == {"step_00000010": True,
+                                                                                   "step_00000020": False}
+    log = tmp_path / "restore-0.log"
+    with log.open("w") as out:
+        env = s3.worker_env(gateway, bucket, tmp_path / "new-0", 0, DS_WORKER_GRACE_SECONDS="600")
+        waiting = subprocess.Popen(s3.objectstore_argv("restore"), env={"PATH": os.environ["PATH"], **env},
+                                   stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: "waiting up to" in log.read_text() or waiting.poll() is not None, 60,
+                 "node 0's restore to wait for node 1's part of step 20")
+        assert "step_00000020 holds node 0's part and lacks node(s) 1's: waiting up to" in log.read_text(), \
+            log.read_text()
+        save(1, 20)  # pod 1's last upload, as it ends
+        uploaders[1].step()
+        assert waiting.wait(timeout=60) == 0, log.read_text()
+    finally:
+        waiting.kill()
+    said = log.read_text()
+    assert "step_00000020: every part is in the bucket after" in said and \
+        f"restored step_00000020 from the bucket into {tmp_path / 'new-0' / 'step_00000020'}" in said, said
+    assert uploaders[0].bucket_tags()["step_00000020"]["committed"]
+    second = restore(1, "new-1", "600")
+    assert "restored step_00000020 from the bucket" in second.stdout, second.stdout + second.stderr
+    # Step 30: node 1's part only (pod 0 ended without uploading its part of it): never completed.
+    save(1, 30)
+    uploaders[1].step()
+    passed_over = restore(0, "new-0b", "600")
+    assert "restored step_00000020 from the bucket" in passed_over.stdout and "waiting" not in passed_over.stdout, \
+        passed_over.stdout + passed_over.stderr
+    given_up = restore(1, "new-1b", "2")
+    assert "step_00000030 holds node 1's part and lacks node(s) 0's: waiting up to 2s" in given_up.stdout and \
+        "step_00000030: still lacks node(s) 0's part after" in given_up.stdout and \
+        "restored step_00000020 from the bucket" in given_up.stdout, given_up.stdout + given_up.stderr
+
+
 def test_a_programs_own_tags_are_kept_and_restored_by_their_step_not_their_names_order(gateway, tmp_path):
     """A plain DeepSpeed program names its tags (`save_checkpoint(tag=f"step{n}")`) and marks the newest in `latest`:
     the bucket keeps and restores the newest by the step its name ends with (by name, step950 sorts after step1000)."""

@@ -207,6 +207,8 @@ keeps the job's ledger in its /tmp. Called with (dict "root" $ "component" "work
   value: {{ $root.Values.worker.replicas | int | quote }}
 - name: DS_ATTEMPTS_DIR
   value: {{ include "deepspeed-training.attemptsDir" $root | quote }}
+- name: DS_WORKER_GRACE_SECONDS
+  value: {{ $root.Values.worker.terminationGracePeriodSeconds | int | quote }}
 - name: DS_LEDGER_ON_WORKER0
   value: {{ eq $root.Values.launchMode "nossh" | toString | quote }}
 {{- end }}

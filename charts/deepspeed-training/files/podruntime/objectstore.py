@@ -30,7 +30,8 @@ not, never one newer than the newest committed (it may still be uploading).
 Environment: DS_OBJECT_STORE_{ENDPOINT,BUCKET,REGION,PATH_STYLE,CA_FILE,KEEP,MAX_PART_BYTES,CREDENTIALS_SECRET},
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, DS_RELEASE, DS_CHECKPOINT_DIR, DS_CHECKPOINT_STORAGE, DS_NODE_RANK,
 DS_WORKERS, DS_OBJECT_STORE_ROLE (worker, or launcher: the ledger only), DS_ATTEMPTS_DIR and DS_LEDGER_ON_WORKER0
-(nossh: node 0's worker keeps the ledger).
+(nossh: node 0's worker keeps the ledger), DS_WORKER_GRACE_SECONDS (how long a restore waits for the parts a pod
+being stopped may still upload: newest_committed).
 """
 
 import io
@@ -54,6 +55,7 @@ BACKOFF_MAX_S = 60.0
 CHUNK = 1 << 20
 RESTORING = ".restoring-"  # a download in progress: renamed into place when whole
 RECORD_BYTES, RECORDS_BYTES, RECORDS_FILES = 1 << 20, 64 << 20, 10_000  # the job's records mirrored, per kind
+GRACE_ENV = "DS_WORKER_GRACE_SECONDS"  # how long a worker pod being stopped may still upload (its grace period)
 
 log = Log("objectstore", stream=sys.stderr)  # the uploads' lines, and why a check or a restore failed
 said = Log("objectstore")  # what a check or a restore did
@@ -88,6 +90,7 @@ class Settings:
         owns_ledger = env.get("DS_OBJECT_STORE_ROLE") == "launcher" or (self.worker and self.node == 0 and
                                                                          env.get("DS_LEDGER_ON_WORKER0") == "true")
         self.attempts = attempts_tree(env, log) if owns_ledger and env.get("DS_ATTEMPTS_DIR") else None
+        self.grace = max(0.0, protocol.number(env.get(GRACE_ENV)) or 0.0)
         self.access_key = env.get("AWS_ACCESS_KEY_ID", "")
         self.secret_key = env.get("AWS_SECRET_ACCESS_KEY", "")
 
@@ -327,8 +330,10 @@ class Uploader:
                 entry["parts"].add(rest[2].removesuffix(".json"))
         return found
 
-    def commit_and_prune(self) -> None:
-        found = self.bucket_tags()
+    def commit_whole(self, found: dict[str, dict]) -> list[str]:
+        """Every tag of `found` whose every node's part is there committed (node 0's uploader does it as the parts
+        arrive; a restore too, since a pod being stopped may put the last part after node 0's uploader ended: the
+        record is the same whoever puts it); the committed tags, newest first."""
         for tag, entry in found.items():
             if not entry["committed"] and entry["parts"] >= {str(n) for n in range(self.settings.nodes)}:
                 self.put_json(self.key("checkpoints", tag, "committed.json"), {
@@ -337,7 +342,11 @@ class Uploader:
                     "time": time.time()})
                 entry["committed"] = True
                 log(f"committed {tag} in the bucket ({self.settings.nodes} part(s))")
-        committed = sorted((t for t, e in found.items() if e["committed"]), key=checkpoints.order, reverse=True)
+        return sorted((t for t, e in found.items() if e["committed"]), key=checkpoints.order, reverse=True)
+
+    def commit_and_prune(self) -> None:
+        found = self.bucket_tags()
+        committed = self.commit_whole(found)
         self.status["committed_step"] = checkpoints.step_of(committed[0]) if committed else None
         if not committed:
             return
@@ -485,17 +494,58 @@ def restore_parts(store, settings: Settings, uploader: Uploader, tag: str, nodes
     return total, latest_at_root
 
 
+def newest_committed(uploader: Uploader, settings: Settings, local: str | None) -> list[str]:
+    """The bucket's committed tags, newest first, once no tag newer than them (and than this volume's newest, `local`)
+    may still be completed by a pod being stopped: one that holds this node's part and lacks another's. The workers'
+    restores must choose the same tag (the ranks resume from the newest tag every worker holds), and a pod replaced
+    together with the others starts only once its predecessor ended (the StatefulSet's pods, the Indexed Job's with
+    podReplacementPolicy Failed), which uploaded its part of the stop's checkpoint first: a tag that lacks this node's
+    part is never completed, and one that holds it may be, by the others' predecessors, within their grace period
+    (DS_WORKER_GRACE_SECONDS). A restore that chose the newest committed tag at once could choose an older tag than
+    the next worker's, and then no tag is held by every worker."""
+    started = time.monotonic()
+    deadline = started + (settings.grace if settings.per_worker else 0.0)
+    waiting = ""
+    while True:
+        found = uploader.bucket_tags()
+        committed = uploader.commit_whole(found)
+        floor = max((checkpoints.order(t) for t in [*committed[:1], *([local] if local else [])]), default=None)
+        pending = sorted((t for t, e in found.items() if not e["committed"] and str(settings.node) in e["parts"]
+                          and (floor is None or checkpoints.order(t) > floor)), key=checkpoints.order, reverse=True)
+        if waiting and (not pending or pending[0] != waiting):
+            said(f"{waiting}: {'every part is in the bucket' if waiting in committed else 'superseded'} after "
+                 f"{time.monotonic() - started:.0f}s")
+        if not pending:
+            return committed
+        if time.monotonic() >= deadline:
+            if waiting:
+                said(f"{pending[0]}: still lacks node(s) {missing_parts(found[pending[0]], settings)}'s part after "
+                     f"{time.monotonic() - started:.0f}s (the pods being stopped had that long): restoring the "
+                     "newest committed tag")
+            return committed
+        if pending[0] != waiting:
+            waiting = pending[0]
+            said(f"{waiting} holds node {settings.node}'s part and lacks node(s) "
+                 f"{missing_parts(found[waiting], settings)}'s: waiting up to {deadline - time.monotonic():.0f}s "
+                 "for a pod being stopped to upload it")
+        time.sleep(POLL_S)
+
+
+def missing_parts(entry: dict, settings: Settings) -> str:
+    return ", ".join(str(n) for n in range(settings.nodes) if str(n) not in entry["parts"])
+
+
 def restore_checkpoint(store, settings: Settings) -> str:
     """The newest committed tag where this volume holds none as new (what this pod keeps of it); what was done."""
     if not settings.uploads_checkpoints():
         return "a shared claim: node 0 restores"
     uploader = Uploader(settings, store)
-    found = uploader.bucket_tags()
-    committed = sorted((t for t, e in found.items() if e["committed"]), key=checkpoints.order, reverse=True)
+    volume = settings.checkpoint_dir
+    local = checkpoints.complete_tags(volume)
+    committed = newest_committed(uploader, settings, local[0] if local else None)
     if not committed:
         return "no committed checkpoint in the bucket"
-    tag, volume = committed[0], settings.checkpoint_dir
-    local = checkpoints.complete_tags(volume)
+    tag = committed[0]
     if local and checkpoints.order(local[0]) >= checkpoints.order(tag):
         return f"{volume.path(local[0])} is as new as the bucket's newest ({tag}): nothing to restore"
     nodes = protocol.count(uploader.get_json(uploader.key("checkpoints", tag, "committed.json")).get("nodes"), 10**6)
