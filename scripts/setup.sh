@@ -43,6 +43,23 @@ if [[ ! -x .tools/checkov/bin/checkov ]]; then
   checkov_pid=$!
 fi
 
+# DeepSpeed JIT-builds its CPU shared-memory comm op at every init_distributed (1-4 minutes). Build it once into
+# .build/torch_extensions, which `make` points TORCH_EXTENSIONS_DIR at, in the background as soon as the environment
+# is installed (not before: `.[dev]` pins packages DeepSpeed's install chose, numpy among them, which the build
+# imports), beside the byte-compiling and checkov's install.
+export TORCH_EXTENSIONS_DIR="$root/.build/torch_extensions" PATH="$root/.venv/bin:$PATH"
+# A build killed half-way leaves a lock that makes every later load wait forever.
+find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2> /dev/null || true
+op_pid=
+build_shm_comm_op() {
+  [[ -z "$op_pid" && -z "$(find "$TORCH_EXTENSIONS_DIR" -name deepspeed_shm_comm.so 2> /dev/null)" ]] || return 0
+  log "building DeepSpeed's shm_comm op (once; 1-4 minutes) beside the rest"
+  mkdir -p .build
+  .venv/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)" \
+    > .build/shm-comm-build.log 2>&1 &
+  op_pid=$!
+}
+
 # 4. The Python environment: torch first, then deepspeed without build isolation, then the rest.
 #    Debian's python3 (world-readable under /usr), not one under /root (pyenv): the pods' non-root user runs
 #    this venv in the e2e tests, and cannot reach /root.
@@ -61,20 +78,16 @@ if [[ ! -f "$stamp" ]]; then
   touch "$stamp"
   log "python environment ready in .venv"
 fi
+build_shm_comm_op
 
 # DeepSpeed installs through its setup.py (no wheel without build isolation), which byte-compiles nothing when
 # PYTHONDONTWRITEBYTECODE is set: compile it here, or every process that imports it (each rank, DeepSpeed's
 # launcher and runner, the glue) compiles its ~750 modules again (~0.35 s of CPU each). Quick when up to date.
 .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/deepspeed"
 
-# 5. DeepSpeed JIT-builds its CPU shared-memory comm op at every init_distributed (1-4 minutes). Build it
-#    once into .build/torch_extensions, which `make` points TORCH_EXTENSIONS_DIR at.
-export TORCH_EXTENSIONS_DIR="$root/.build/torch_extensions" PATH="$root/.venv/bin:$PATH"
-# A build killed half-way leaves a lock that makes every later load wait forever.
-find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2> /dev/null || true
-if [[ -z "$(find "$TORCH_EXTENSIONS_DIR" -name deepspeed_shm_comm.so 2> /dev/null)" ]]; then
-  log "building DeepSpeed's shm_comm op (once; 1-4 minutes)"
-  python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
+if [[ -n "$op_pid" ]]; then
+  wait "$op_pid" || { cat .build/shm-comm-build.log; log "the shm_comm op's build failed"; exit 1; }
+  log "DeepSpeed's shm_comm op built in $TORCH_EXTENSIONS_DIR"
 fi
 if [[ -n "$checkov_pid" ]]; then
   wait "$checkov_pid" || { cat .build/checkov-install.log; log "checkov install failed"; exit 1; }
