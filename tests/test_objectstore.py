@@ -204,12 +204,17 @@ def test_every_workers_restore_chooses_the_tag_a_stopped_pod_was_still_uploading
         return s3.run_objectstore("restore", env, **kwargs)
 
     uploaders = [objectstore.Uploader(settings(s3.worker_env(gateway, bucket, old[n], n))) for n in (0, 1)]
+
+    def upload(node: int, step: int) -> None:
+        uploaders[node].step()
+        assert uploaders[node].status["uploaded_step"] == step, uploaders[node].status
+
     for step in (10, 20):
         save(0, step)
         if step == 10:
             save(1, step)
-            uploaders[1].step()
-        uploaders[0].step()
+            upload(1, step)
+        upload(0, step)
     assert {t: e["committed"] for t, e in uploaders[0].bucket_tags().items()} == {"step_00000010": True,
                                                                                    "step_00000020": False}
     log = tmp_path / "restore-0.log"
@@ -223,7 +228,7 @@ def test_every_workers_restore_chooses_the_tag_a_stopped_pod_was_still_uploading
         assert "step_00000020 holds node 0's part and lacks node(s) 1's: waiting up to" in log.read_text(), \
             log.read_text()
         save(1, 20)  # pod 1's last upload, as it ends
-        uploaders[1].step()
+        upload(1, 20)
         assert waiting.wait(timeout=60) == 0, log.read_text()
     finally:
         waiting.kill()
@@ -235,7 +240,7 @@ def test_every_workers_restore_chooses_the_tag_a_stopped_pod_was_still_uploading
     assert "restored step_00000020 from the bucket" in second.stdout, second.stdout + second.stderr
     # Step 30: node 1's part only (pod 0 ended without uploading its part of it): never completed.
     save(1, 30)
-    uploaders[1].step()
+    upload(1, 30)
     passed_over = restore(0, "new-0b", "600")
     assert "restored step_00000020 from the bucket" in passed_over.stdout and "waiting" not in passed_over.stdout, \
         passed_over.stdout + passed_over.stderr

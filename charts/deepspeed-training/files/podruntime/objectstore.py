@@ -9,7 +9,8 @@ In the bucket, under the release's prefix `<namespace>/<release>/` (DS_RELEASE, 
                                             a file with holes as its data regions one after the other
     checkpoints/<tag>/parts/<node>.json     that part's manifest, put after its files: {files: {path: size}, links:
                                             {path: the first path of its inode}, regions: {path: [[offset, length]]}}
-    checkpoints/<tag>/committed.json        put last, by node 0's uploader, once every node's manifest is there
+    checkpoints/<tag>/committed.json        put last, once the manifests of every node of this world size (and
+                                            no other) are there: by node 0's uploader, or by a restore
     job/attempts/..., job/goodput/...       the job's records (the failure budget's ledger, goodput): a mirror of
                                             DS_ATTEMPTS_DIR and of <checkpoints>/_job/goodput
 
@@ -334,8 +335,8 @@ class Uploader:
         """Every tag of `found` whose every node's part is there committed (node 0's uploader does it as the parts
         arrive; a restore too, since a pod being stopped may put the last part after node 0's uploader ended: the
         record is the same whoever puts it); the committed tags, newest first."""
-        for tag, entry in found.items():
-            if not entry["committed"] and entry["parts"] >= {str(n) for n in range(self.settings.nodes)}:
+        for tag, entry in found.items():  # a tag of another world size (other node numbers) is not this job's to commit
+            if not entry["committed"] and entry["parts"] == self.nodes():
                 self.put_json(self.key("checkpoints", tag, "committed.json"), {
                     "tag": tag, "step": checkpoints.step_of(tag), "nodes": self.settings.nodes,
                     "storage": checkpoints.PER_WORKER if self.settings.per_worker else checkpoints.SHARED,
@@ -343,6 +344,10 @@ class Uploader:
                 entry["committed"] = True
                 log(f"committed {tag} in the bucket ({self.settings.nodes} part(s))")
         return sorted((t for t, e in found.items() if e["committed"]), key=checkpoints.order, reverse=True)
+
+    def nodes(self) -> set[str]:
+        """The part names of a tag this world size writes."""
+        return {str(n) for n in range(self.settings.nodes)}
 
     def commit_and_prune(self) -> None:
         found = self.bucket_tags()
@@ -502,16 +507,27 @@ def newest_committed(uploader: Uploader, settings: Settings, local: str | None) 
     podReplacementPolicy Failed), which uploaded its part of the stop's checkpoint first: a tag that lacks this node's
     part is never completed, and one that holds it may be, by the others' predecessors, within their grace period
     (DS_WORKER_GRACE_SECONDS). A restore that chose the newest committed tag at once could choose an older tag than
-    the next worker's, and then no tag is held by every worker."""
+    the next worker's, and then no tag is held by every worker. Not covered: pods stopped one after another more
+    than a grace period apart, and a pod gone from the API while its sidecar still uploads (a lost node's): a late
+    part then completes a tag after an earlier restore gave up on it."""
     started = time.monotonic()
     deadline = started + (settings.grace if settings.per_worker else 0.0)
     waiting = ""
     while True:
-        found = uploader.bucket_tags()
-        committed = uploader.commit_whole(found)
+        try:
+            found = uploader.bucket_tags()
+            committed = uploader.commit_whole(found)
+        except Exception as err:  # noqa: BLE001 - the store away for a moment: asked again until the deadline
+            if time.monotonic() >= deadline:
+                reason = str(err).splitlines()[0][:200] if str(err) else ""
+                raise StoreError(f"{settings.bucket}: the release's checkpoints cannot be listed "
+                                 f"({type(err).__name__}: {reason})") from None
+            time.sleep(POLL_S)
+            continue
         floor = max((checkpoints.order(t) for t in [*committed[:1], *([local] if local else [])]), default=None)
         pending = sorted((t for t, e in found.items() if not e["committed"] and str(settings.node) in e["parts"]
-                          and (floor is None or checkpoints.order(t) > floor)), key=checkpoints.order, reverse=True)
+                          and e["parts"] <= uploader.nodes() and (floor is None or checkpoints.order(t) > floor)),
+                         key=checkpoints.order, reverse=True)
         if waiting and (not pending or pending[0] != waiting):
             said(f"{waiting}: {'every part is in the bucket' if waiting in committed else 'superseded'} after "
                  f"{time.monotonic() - started:.0f}s")
