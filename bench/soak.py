@@ -167,6 +167,7 @@ def main() -> int:
         print(f"soak: {s3.unavailable()}")
         return 2
     kinds = args.kinds.split(",")
+    s3.claim_session()  # a user of the gateway: a test session that ends beside the soak leaves it running
     gateway = s3.up()
     bucket = s3.new_bucket(gateway, "soak")
     namespace = f"soak-{uuid.uuid4().hex[:6]}"
@@ -229,6 +230,7 @@ def main() -> int:
             log.done.set()
         tier.stop_endless_job(namespace)
         kubectl("delete", "namespace", namespace, "--wait=false", namespace="default")
+        s3.leave()
 
 
 def report(faults, kinds, goodput, stopwatch, fault_free, clean, wall, args) -> str:

@@ -82,14 +82,18 @@ def up() -> dict[str, str]:
 
 
 def leave() -> None:
-    """This session is done with the gateway: stopped if a session started it and no other live one uses it."""
+    """This session is done with the gateway: stopped if this session used it, a session started it, and no other
+    live one uses it. A session that never called up() leaves it alone (a `make soak`, a bench, another checkout's
+    tests may be using it)."""
     LOCK.parent.mkdir(parents=True, exist_ok=True)
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not STATE.exists():
             return
-        if session := os.environ.get(SESSION_ENV):
-            (USERS / session).unlink(missing_ok=True)
+        session = os.environ.get(SESSION_ENV)
+        if not session or not (USERS / session).is_file():
+            return
+        (USERS / session).unlink()
         others = [user.name for user in USERS.glob("*") if _alive(user.name)] if USERS.is_dir() else []
         if STARTED_BY.is_file() and not others:
             down()
