@@ -248,6 +248,22 @@ def test_every_workers_restore_chooses_the_tag_a_stopped_pod_was_still_uploading
     assert "step_00000030 holds node 1's part and lacks node(s) 0's: waiting up to 2s" in given_up.stdout and \
         "step_00000030: still lacks node(s) 0's part after" in given_up.stdout and \
         "restored step_00000020 from the bucket" in given_up.stdout, given_up.stdout + given_up.stderr
+    # Step 40 with parts 0 and 1 of this world and a part 2 of a three-worker job's (a tag name saved again after a
+    # redeploy on another world size): not this world's to commit, nor to wait for.
+    save(0, 40)
+    save(1, 40)
+    upload(0, 40)
+    upload(1, 40)
+    (tmp_path / "third" / "step_00000040").mkdir(parents=True)
+    shutil.copytree(old[1] / "step_00000040", tmp_path / "third" / "step_00000040", dirs_exist_ok=True)
+    third = objectstore.Uploader(settings(s3.worker_env(gateway, bucket, tmp_path / "third", 2, nodes=3)))
+    third.step()
+    assert third.status["uploaded_step"] == 40, third.status
+    uploaders[0].step()
+    assert uploaders[0].bucket_tags()["step_00000040"] == {"parts": {"0", "1", "2"}, "committed": False}
+    other_world = restore(0, "new-0c", "600")
+    assert "restored step_00000020 from the bucket" in other_world.stdout and "waiting" not in other_world.stdout, \
+        other_world.stdout + other_world.stderr
 
 
 def test_a_programs_own_tags_are_kept_and_restored_by_their_step_not_their_names_order(gateway, tmp_path):
