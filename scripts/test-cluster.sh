@@ -16,7 +16,7 @@ log() { echo "test-cluster: $*"; }
 version=$(python3 scripts/pins.py version)
 image="${DS_TEST_IMAGE:-localhost/deepspeed-train:$version-cpu}"
 sidecar_image="${DS_TEST_SIDECAR_IMAGE:-localhost/deepspeed-sidecar:$version}"
-# Two tests at a time (CLUSTER_TEST_WORKERS), one handed out at a time in the file's order (the longest first): each
+# Two tests at a time (CLUSTER_TEST_WORKERS), one handed out at a time in the file's order: each
 # waits mostly on its pods, and its pods request about 0.6 of the node's 2 CPUs. -rP: what passing tests print.
 pytest_args=(tests/cluster -n "${CLUSTER_TEST_WORKERS:-2}" --dist load --maxschedchunk 1 -v -rP -p no:cacheprovider
   --durations=0)

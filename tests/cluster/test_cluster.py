@@ -261,6 +261,24 @@ def check_the_dashboard_on_a_real_prometheus(namespace: str) -> None:
             assert query(port, expr), expr
 
 
+def test_the_chart_alone_refuses_a_config_every_rank_would_refuse_before_creating_the_release(namespace):
+    """`helm install` without the glue: the config check hook runs the train package's check in the image, Helm
+    prints its one line, and nothing of the release (workers, launcher, Service) is created."""
+    started = time.monotonic()
+    proc = install(namespace, steps=60, check=False, deepspeed={"config": {
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}})
+    took = time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert ("config check failed: ds_config deepspeed.config (/etc/deepspeed/config/ds_config.json): "
+            "train_batch_size 16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x 2 "
+            "data-parallel ranks") in output, output
+    assert "ci-deepspeed-training-config-check" in proc.stderr, proc.stderr  # Helm names the failed hook
+    made = kubectl("get", "statefulsets,services,jobs,pods", "-o", "name", namespace=namespace).split()
+    assert all("config-check" in name for name in made), made
+    print(f"\nhelm install refused in {took:.1f}s:\n{output.strip()}")
+
+
 def rights(namespace: str, account: str) -> set[tuple[str, str, str]]:  # (resource.group, name, verb)
     """(resource, resourceName, verb) the API server grants `account` in `namespace`, from outside the pods: the
     SelfSubjectRulesReview that `kubectl auth can-i --list` prints, as the account (impersonated), less what every
@@ -284,6 +302,145 @@ def rights(namespace: str, account: str) -> set[tuple[str, str, str]]:  # (resou
     return granted
 
 
+def test_each_account_holds_only_its_own_releases_rights(namespace):
+    """The accounts the chart binds, from the API server's side: the release's own account may get and patch its
+    progress ConfigMap and patch its workers' scale, and nothing else; a second release running as a shared account
+    (a platform's) gets no Role at all, so it holds none of the first's rights; the config check's account none.
+    The pods never get scheduled here (a scheduler nobody runs): the rights are the objects'."""
+    unscheduled = {"scheduling": {"schedulerName": "nobody"}, "configCheck": {"enabled": False}}
+    install(namespace, steps=10, **unscheduled)
+    kubectl("create", "serviceaccount", "platform-trainer", namespace=namespace)
+    proc = subprocess.run([HELM, "install", "other", str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
+                           "--set", f"image.repository={IMAGE.rpartition(':')[0]}", "--set",
+                           f"image.tag={IMAGE.rpartition(':')[2]}", "--set", "serviceAccount.create=false", "--set",
+                           "serviceAccount.name=platform-trainer", "--set", "launcher.scaleDownWorkers=false",
+                           "--set", "scheduling.schedulerName=nobody", "--set", "configCheck.enabled=false"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    own = rights(namespace, f"{RELEASE}-deepspeed-training")
+    assert own == {("configmaps", f"{RELEASE}-deepspeed-training-progress", "get"),
+                   ("configmaps", f"{RELEASE}-deepspeed-training-progress", "patch"),
+                   ("statefulsets/scale.apps", f"{RELEASE}-deepspeed-training-worker", "patch")}, own
+    assert rights(namespace, "platform-trainer") == set()  # the shared account: no Role bound to it, by any release
+    assert rights(namespace, "default") == set()
+    bindings = json.loads(kubectl("get", "rolebindings", "-o", "json", namespace=namespace))["items"]
+    assert {s["name"] for b in bindings for s in b["subjects"]} == {f"{RELEASE}-deepspeed-training"}, bindings
+    print(f"\nkubectl auth can-i --list --as=system:serviceaccount:{namespace}:{RELEASE}-deepspeed-training: "
+          f"{sorted(own)}")
+
+
+def test_a_kept_ssh_secret_serves_a_reinstall_of_its_project_and_never_a_new_project_under_its_name(namespace):
+    """The SSH Secret outlives `helm uninstall` (resource-policy keep): a reinstall of the same project (the same
+    identity, checkpoints.owner) reuses its keys; a new project that takes the name gets keys of its own. The pods
+    never get scheduled here: the keys are the objects'."""
+    unscheduled = {"scheduling": {"schedulerName": "nobody"}, "configCheck": {"enabled": False}}
+    secret = f"{RELEASE}-deepspeed-training-ssh"
+
+    def keys() -> dict:
+        return get("secret", secret, namespace)["data"]
+
+    install(namespace, steps=10, checkpoints={"owner": "p-llama"}, **unscheduled)
+    first = keys()
+    for owner, same in (("p-llama", True), ("p-newteam", False)):
+        proc = subprocess.run([HELM, "uninstall", RELEASE, "--namespace", namespace, "--wait"], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and get("secret", secret, namespace), proc.stderr  # kept
+        install(namespace, steps=10, checkpoints={"owner": owner}, **unscheduled)
+        assert (keys() == first) is same, owner
+        assert get("secret", secret, namespace)["metadata"]["annotations"]["deepspeed-training/owner"] == owner
+
+
+def test_make_plan_says_whether_the_job_fits_this_clusters_nodes():
+    """`make plan` with this cluster as the kube context: dev's sizing (2 workers x 1 CPU, and the chart's own
+    containers on top) does not fit the one 2-CPU node; this tier's sizing (ci/09) does. Nothing is installed."""
+    from scripts.deployctl import fit
+
+    plan = subprocess.run([sys.executable, "-m", "scripts.deployctl", "plan", "--env", "dev", "--project", "example"],
+                          cwd=CHART.parents[1], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "  requests    2 worker pods x 1.01 CPU" in plan.stdout, plan.stdout
+    assert re.search(r"  fits        on empty nodes: no: worker pod 2 of 2 \(1\.01 CPU, [^)]*\) finds no node after "
+                     r"\d+ other pods? \(1 schedulable node, first fit", plan.stdout), plan.stdout
+    assert re.search(r"  fits        now: (yes|no: .*finds no node)", plan.stdout), plan.stdout
+    manifests = subprocess.run([HELM, "template", RELEASE, str(CHART), "-f", str(SMALL_NODE)], capture_output=True,
+                               text=True, check=True).stdout
+    lines = fit.fit_lines(fit.pod_groups(manifests), None)
+    assert lines[0].startswith("  fits        on empty nodes: yes (1 schedulable node, first fit"), lines
+    print("\n" + "\n".join(line for line in plan.stdout.splitlines() if line.startswith(("  requests", "  fits"))))
+    print("\n".join(lines))
+
+
+def test_make_why_says_why_a_pod_does_not_start(namespace):
+    """Workers that ask for more CPU than the node has, and a launcher whose image cannot be pulled (no config check:
+    it runs in that image): `make why` gives each pod's line with the cluster's reason."""
+    missing = {"repository": "localhost/no-such-image", "tag": "1", "pullPolicy": "IfNotPresent"}
+    install(namespace, steps=10, image=missing, worker={"resources": {"requests": {"cpu": "3"}}},
+            configCheck={"enabled": False})
+
+    def said() -> str | None:
+        text = make_why(namespace, "ssh")[0]
+        return text if "cannot be pulled" in text and "not scheduled:" in text else None
+
+    text = wait_for(said, 180, "make why to say why the pods do not start",
+                    lambda: kubectl("get", "pods", "-o", "wide", namespace=namespace, check=False))
+    assert re.search(rf"Not running: pods {WORKERS}-[01], {WORKERS}-[01]: not scheduled: 0/1 nodes are available: 1 "
+                     r"Insufficient cpu", text), text
+    assert re.search(rf"Not running: pod {LAUNCHER}-\S+: container launcher: its image localhost/no-such-image:1 "
+                     r"cannot be pulled \((ErrImagePull|ImagePullBackOff): ", text), text
+    print(f"\nmake why:\n{text}")
+    # `make deploy`'s closing check: the same lines, once they hold, and a count of the pods by phase.
+    release, client = why_release(namespace, "ssh")
+    started = time.monotonic()
+    checked = why.settled(release, client.CoreV1Api(), client.BatchV1Api(), settle=2)  # make why saw them hold
+    assert checked[0].startswith(f"pods of {RELEASE}: ") and "Pending" in checked[0], checked
+    assert any("not scheduled: 0/1 nodes are available: 1 Insufficient cpu" in line for line in checked), checked
+    assert any("cannot be pulled" in line for line in checked), checked
+    print(f"make deploy's check ({time.monotonic() - started:.0f}s):\n" + "\n".join(checked))
+
+
+# The longest tests first: the tier runs two at a time (scripts/test-cluster.sh), and a long one that starts
+# last would run alone at the end.
+
+
+def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_template(namespace, shared_claim):
+    """Seen before the fix: the new launcher passed its worker check against the OLD pods at once, pdsh then hit
+    a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds.
+    The runs are endless (150 steps take 2 s here: the first run could end before the upgrade lands); the test
+    needs the new launcher's first run to resume and train on, not to finish."""
+    # peak_tflops: an MFU on CPU, for the dashboard's MFU panel.
+    values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10,
+                                                                               "peak_tflops": 1.0}}
+    install(namespace, steps=100000, launcher={"scaleDownWorkers": False}, **values)
+    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
+             lambda: diagnose(namespace))
+    check_the_dashboard_on_a_real_prometheus(namespace)
+    # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
+    install(namespace, steps=100000, action="upgrade", launcher={"scaleDownWorkers": False},
+            worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
+    # The pre-upgrade config check ran (and passed: Helm deleted it) while the first launcher's run held the workers.
+    check = f"involvedObject.name={RELEASE}-deepspeed-training-config-check"
+    events = kubectl("get", "events", "--field-selector", check, "-o", "jsonpath={.items[*].reason}",
+                     namespace=namespace).split()
+    assert events.count("Completed") == 2, events  # the pre-install's and the pre-upgrade's
+    second = f"{RELEASE}-deepspeed-training-launcher-2"
+
+    def trained_on_after_resuming() -> str | None:
+        logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace, check=False)
+        resumed = re.search(r"resumed from /checkpoints/step_(\d+) at step", logs)
+        steps = [int(n) for n in re.findall(r"INFO step (\d+)/", logs)]
+        return logs if resumed and steps and max(steps) >= int(resumed.group(1)) + 20 else None
+
+    logs = wait_for(trained_on_after_resuming, 400, "the new launcher to resume and train 20 steps",
+                    lambda: diagnose(namespace))
+    assert not get("job", second, namespace)["status"].get("failed")
+    # The upgrade's new Job continues the release's ledger (keyed by the install, not the Job): the first Job's
+    # attempt, stopped by the upgrade, is a preemption.
+    assert "attempts: attempt 2 (0 of 2 failures used, 1 preemption)" in logs, logs[:3000]
+    assert "launcher: retry" not in logs, logs[:logs.index("launcher: retry")][-8000:]  # the failed first run
+    stop_endless_job(namespace)
+    print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
+
+
 def endpoint_for_pods(gateway: dict[str, str]) -> str:
     """The local gateway as this cluster's pods reach it. local-s3's LOCAL_S3_ENDPOINT_FOR_PODS names the host's
     own address, which local-k8s's pods have no route to (no default route); the host's side of their bridge, which
@@ -294,47 +451,57 @@ def endpoint_for_pods(gateway: dict[str, str]) -> str:
     return f"http://{config['kubeletconfig']['clusterDNS'][0]}:{port}"
 
 
-TOOK = r"(\d+h\d\dm|(\d+m)?\d+s)"  # how long an attempt took, as `make why` says it: 41s, 2m03s, 1h02m
+def test_every_worker_pod_and_volume_lost_resumes_from_the_bucket_with_the_failure_budget_it_had(namespace):
+    """launchMode nossh on the chart's default storage (an emptyDir per worker pod) with an S3 bucket (the real RADOS
+    Gateway on this host, which the pods reach at its address): a killed rank spends one failure and the retry in
+    the pods resumes from their own volumes; then every worker pod is deleted, and with it every volume: the new
+    pods' restore containers fetch their parts of the newest committed checkpoint and the job's ledger from the
+    bucket before the ranks start, which resume there with one failure used and the deletion a preemption."""
+    from tests.support import s3
 
+    if not os.environ.get("LOCAL_K8S") or s3.unavailable():
+        pytest.skip(f"needs the local cluster and the local S3 gateway: {s3.unavailable() or 'not local'}")
+    gateway = s3.up()
+    bucket = s3.new_bucket(gateway)
+    kubectl("create", "secret", "generic", "ckpt-s3", *(f"--from-literal={key}={gateway[key]}" for key in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")), namespace=namespace)
+    install(namespace, steps=100000, launchMode="nossh", job={"runRetries": 2},
+            checkpoints={"objectStore": {"bucket": bucket, "endpoint": endpoint_for_pods(gateway),
+                                         "credentialsSecret": "ckpt-s3"}})
+    store = s3.client(gateway)
+    prefix = f"{namespace}/{RELEASE}/checkpoints/"
 
-def why_release(namespace: str, mode: str):
-    """This tier's release as scripts/deployctl/why.py sees it, and the API as a person's kubeconfig reaches it."""
-    from kubernetes import client, config
+    def committed() -> int:
+        steps = [int(m[1]) for o in store.list_objects(bucket, prefix=prefix, recursive=True)
+                 if (m := re.search(r"step_(\d+)/committed\.json$", o.object_name))]
+        return max(steps, default=0)
 
-    config.load_kube_config()
-    jobs = [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS]
-    return why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode, jobs, 1, "/checkpoints",
-                       workloads=(*jobs, WORKERS) if mode == "ssh" else tuple(jobs)), client
+    def worker_logs() -> str:
+        return kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
+                       "--tail=-1", "-c", "worker", namespace=namespace, check=False)
 
-
-def make_why(namespace: str, mode: str) -> tuple[str, float]:
-    """`make why`'s paragraph, read from this API server, and the seconds it took."""
-    release, client = why_release(namespace, mode)
-    started = time.monotonic()
-    text = why.why_text(release, why.read(client.CoreV1Api(), client.BatchV1Api(), release))
-    return text, time.monotonic() - started
-
-
-def make_logs(namespace: str, mode: str, rank: int, attempt: int | None) -> list[str]:
-    """`make logs RANK= ATTEMPT=`'s lines, from this API server."""
-    release, client = why_release(namespace, mode)
-    return why.rank_log(client.CoreV1Api(), release, rank, attempt)
-
-
-def culprit_seen(namespace: str, seen: dict) -> bool:
-    """Keeps the progress ConfigMap's data once it names a culprit; always True (a wait's side look)."""
-    data = progress_data(namespace)
-    if data.get("culprit") and not seen:
-        seen.update(data)
-    return True
-
-
-def nossh_pod(namespace: str, index: int) -> str:
-    """The running pod of one completion index of the nossh workers' Job (its name has a random suffix)."""
-    pods = json.loads(kubectl("get", "pods", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-"
-                              f"index={index}", "-o", "json", namespace=namespace))["items"]
-    running = [p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running"]
-    return running[0] if running else ""
+    wait_for(lambda: committed() >= 20, 300, "a checkpoint committed in the bucket", lambda: diagnose(namespace))
+    kubectl("exec", nossh_pod(namespace, 1), "-c", "worker", "--", "pkill", "-KILL", "-f", "--", "--local_rank=",
+            namespace=namespace)
+    wait_for(lambda: "attempt 2 (1 of 2 failures used, 0 preemptions)" in worker_logs(), 300, "the retry",
+             lambda: worker_logs()[-3000:])
+    before = committed()
+    wait_for(lambda: committed() > before, 300, "a checkpoint of the retry in the bucket", lambda: diagnose(namespace))
+    old = {nossh_pod(namespace, 0), nossh_pod(namespace, 1)}
+    kubectl("delete", "pods", "-l", f"job-name={NOSSH_WORKERS}", "--wait=true", namespace=namespace, timeout=180)
+    wait_for(lambda: all(nossh_pod(namespace, i) not in ("", *old) for i in (0, 1)), 300, "the new worker pods",
+             lambda: diagnose(namespace))
+    restored = {i: kubectl("logs", nossh_pod(namespace, i), "-c", "restore", namespace=namespace) for i in (0, 1)}
+    step = int(re.search(r"restored step_(\d+) from the bucket", restored[0])[1])
+    assert f"restored step_{step:08d} from the bucket into /checkpoints/step_{step:08d} (node 1's part" in restored[1]
+    assert "restored the job's attempts records" in restored[0], restored[0]
+    logs = wait_for(lambda: (log := worker_logs()) and f"resumed from /checkpoints/step_{step:08d} at step {step}"
+                    in log and log, 300, "the new pods to resume from the bucket's checkpoint",
+                    lambda: worker_logs()[-4000:])
+    # The failure budget the job had: one failure used, and the deletion of its pods a preemption.
+    assert "attempt 3 (1 of 2 failures used, 1 preemption)" in logs, logs[-4000:]
+    print(f"\nrestore containers: {restored[0].strip()} | {restored[1].strip()}")
+    stop_endless_job(namespace)
 
 
 def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_configmap(namespace):
@@ -405,259 +572,6 @@ def test_nossh_a_stopped_rank_on_the_second_host_is_named_in_the_progress_config
                          get("job", NOSSH_WORKERS, namespace).get("status", {}).get("conditions", [])), 120,
              "the Job to fail", lambda: diagnose(namespace))
     stop_endless_job(namespace)
-
-
-def test_every_worker_pod_and_volume_lost_resumes_from_the_bucket_with_the_failure_budget_it_had(namespace):
-    """launchMode nossh on the chart's default storage (an emptyDir per worker pod) with an S3 bucket (the real RADOS
-    Gateway on this host, which the pods reach at its address): a killed rank spends one failure and the retry in
-    the pods resumes from their own volumes; then every worker pod is deleted, and with it every volume: the new
-    pods' restore containers fetch their parts of the newest committed checkpoint and the job's ledger from the
-    bucket before the ranks start, which resume there with one failure used and the deletion a preemption."""
-    from tests.support import s3
-
-    if not os.environ.get("LOCAL_K8S") or s3.unavailable():
-        pytest.skip(f"needs the local cluster and the local S3 gateway: {s3.unavailable() or 'not local'}")
-    gateway = s3.up()
-    bucket = s3.new_bucket(gateway)
-    kubectl("create", "secret", "generic", "ckpt-s3", *(f"--from-literal={key}={gateway[key]}" for key in (
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")), namespace=namespace)
-    install(namespace, steps=100000, launchMode="nossh", job={"runRetries": 2},
-            checkpoints={"objectStore": {"bucket": bucket, "endpoint": endpoint_for_pods(gateway),
-                                         "credentialsSecret": "ckpt-s3"}})
-    store = s3.client(gateway)
-    prefix = f"{namespace}/{RELEASE}/checkpoints/"
-
-    def committed() -> int:
-        steps = [int(m[1]) for o in store.list_objects(bucket, prefix=prefix, recursive=True)
-                 if (m := re.search(r"step_(\d+)/committed\.json$", o.object_name))]
-        return max(steps, default=0)
-
-    def worker_logs() -> str:
-        return kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
-                       "--tail=-1", "-c", "worker", namespace=namespace, check=False)
-
-    wait_for(lambda: committed() >= 20, 300, "a checkpoint committed in the bucket", lambda: diagnose(namespace))
-    kubectl("exec", nossh_pod(namespace, 1), "-c", "worker", "--", "pkill", "-KILL", "-f", "--", "--local_rank=",
-            namespace=namespace)
-    wait_for(lambda: "attempt 2 (1 of 2 failures used, 0 preemptions)" in worker_logs(), 300, "the retry",
-             lambda: worker_logs()[-3000:])
-    before = committed()
-    wait_for(lambda: committed() > before, 300, "a checkpoint of the retry in the bucket", lambda: diagnose(namespace))
-    old = {nossh_pod(namespace, 0), nossh_pod(namespace, 1)}
-    kubectl("delete", "pods", "-l", f"job-name={NOSSH_WORKERS}", "--wait=true", namespace=namespace, timeout=180)
-    wait_for(lambda: all(nossh_pod(namespace, i) not in ("", *old) for i in (0, 1)), 300, "the new worker pods",
-             lambda: diagnose(namespace))
-    restored = {i: kubectl("logs", nossh_pod(namespace, i), "-c", "restore", namespace=namespace) for i in (0, 1)}
-    step = int(re.search(r"restored step_(\d+) from the bucket", restored[0])[1])
-    assert f"restored step_{step:08d} from the bucket into /checkpoints/step_{step:08d} (node 1's part" in restored[1]
-    assert "restored the job's attempts records" in restored[0], restored[0]
-    logs = wait_for(lambda: (log := worker_logs()) and f"resumed from /checkpoints/step_{step:08d} at step {step}"
-                    in log and log, 300, "the new pods to resume from the bucket's checkpoint",
-                    lambda: worker_logs()[-4000:])
-    # The failure budget the job had: one failure used, and the deletion of its pods a preemption.
-    assert "attempt 3 (1 of 2 failures used, 1 preemption)" in logs, logs[-4000:]
-    print(f"\nrestore containers: {restored[0].strip()} | {restored[1].strip()}")
-    stop_endless_job(namespace)
-
-
-def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_resumes(namespace, shared_claim):
-    """The hang drill on a real kubelet: the watchdog runs in the restricted worker pods (no ptrace), dumps the
-    stacks from inside the ranks, and ends the attempt; the launcher's retry resumes in the same pod."""
-    # Enough steps that the stop lands mid-run on a fast node too (CI trained 60 steps/s: 400 steps were gone in 7 s).
-    steps = 1000
-    install(namespace, steps=steps, train_config={"checkpoint_every": 20}, checkpoints={"existingClaim": shared_claim},
-            launcher={"scaleDownWorkers": False}, job={"runRetries": 1},
-            hangDetection=HANG_BUDGETS)
-    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000020", 300, "checkpoint 20",
-             lambda: diagnose(namespace))
-    # Training goes on while the test polls: the retry must resume from at least what was saved before the stop.
-    # The stop may land in a save (every 20 steps): checkpointSeconds bounds that, as stepSeconds bounds a step.
-    saved_before_stop = int(latest_checkpoint(namespace).removeprefix("step_"))
-    worker_exec(namespace, 1, "pkill", "-STOP", "-f", "--", "--local_rank=")
-    seen = {}
-    outcome = wait_for(lambda: culprit_seen(namespace, seen) and job_outcome(namespace), 300, "the Job to finish",
-                       lambda: diagnose(namespace))
-    # The progress ConfigMap (the launcher's sidecar, from both workers' reports) names the stopped rank on the
-    # second host, not the first host's rank that waits for it (what it showed before).
-    logs = launcher_logs(namespace)
-    around_the_hang = logs[max(0, logs.find("attempts: attempt 2") - 5000):][:6000]
-    assert seen.get("culprit") == f"rank 1 on {WORKERS}-1", (seen, around_the_hang)
-    assert f"hang: rank 1 on {WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
-    assert outcome == "Complete", attempts_summary(namespace)
-    assert get("job", LAUNCHER, namespace)["status"].get("failed") is None, attempts_summary(namespace)
-    assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+worker-1: process stopped", logs), logs[-6000:]
-    # (Whether worker 0's watchdog also reported its rank waiting depends on which budget ran out first: the stopped
-    # rank's host ends the attempt at once, and the waiting rank's collective then fails. tests/test_watchdog_signals.py
-    # places a waiting peer, and tests/e2e/test_hangs.py the waiting host's word across hosts.)
-    retry = logs[logs.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
-    resumed = re.search(r"resumed from /checkpoints/step_(\d+) ", retry)
-    assert resumed and saved_before_stop <= int(resumed[1]) < steps, retry[-4000:]
-    assert f"INFO step {steps}/{steps}" in retry, retry[-4000:]
-    # The stacks behind the report, on the shared claim.
-    stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/_job/diagnostics/run-*/*worker-1.txt")
-    assert "process stopped" in stacks, stacks[-2000:]
-    # `make why` from the API server names the cause, the culprit and where its stacks are; `make logs` one rank's
-    # lines of one attempt, out of the launcher's log where pdsh merges every rank.
-    text, seconds = make_why(namespace, "ssh")
-    assert re.search(rf"Attempts: 1 hang at step \d+, {TOOK} \(culprit rank 1 on {WORKERS}-1; its stacks: "
-                     rf"/checkpoints/_job/diagnostics/run-0001-\w+/{WORKERS}-1.txt on its host's checkpoint volume\); "
-                     rf"2 completed, {TOOK}\.", text), text
-    assert "Failure budget: 1 of 1 used, 0 left" in text, text
-    lines = make_logs(namespace, "ssh", 1, 2)
-    assert lines[0].startswith(f"== pod {LAUNCHER}-") and len(lines) > 2, lines
-    assert all("[rank 1 attempt 2] " in line for line in lines[1:]), lines
-    print(f"\nmake why ({seconds:.2f}s):\n{text}\nmake logs RANK=1 ATTEMPT=2: {len(lines) - 1} lines, e.g. {lines[1]}")
-
-
-def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resumes(namespace, shared_claim):
-    # No periodic checkpoints: any checkpoint is the one the ranks wrote on SIGTERM.
-    install(namespace, steps=100000, train_config={"checkpoint_every": 0}, checkpoints={"existingClaim": shared_claim},
-            launcher={"scaleDownWorkers": False}, job={"backoffLimit": 2})
-    wait_for(lambda: "INFO step 20/" in kubectl("logs", f"job/{LAUNCHER}", namespace=namespace, check=False), 300,
-             "training to reach step 20", lambda: diagnose(namespace))
-    check_progress_while_training(namespace)
-    first = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
-                               namespace=namespace))["items"][0]["metadata"]["name"]
-    # Its log goes with the pod: followed from here, it says how the stopped attempt ended.
-    follower = subprocess.Popen(["kubectl", "--namespace", namespace, "logs", "-f", first, "-c", "launcher"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    kubectl("delete", "pod", first, "--wait=true", namespace=namespace, timeout=240)
-    first_log = follower.communicate(timeout=30)[0]
-    saved = wait_for(lambda: latest_checkpoint(namespace), 30, "the checkpoint written on SIGTERM")
-    retry_log = wait_for(lambda: "resumed from" in (log := kubectl("logs", f"job/{LAUNCHER}", namespace=namespace,
-                                                                   check=False)) and log, 240,
-                         "a new launcher attempt to resume", lambda: diagnose(namespace))
-    assert f"resumed from /checkpoints/{saved} at step {int(saved.removeprefix('step_'))}" in retry_log
-    # A deletion is a stop, not a failure: the next pod's attempt spent nothing of the job's budget.
-    assert "attempt 2 (0 of 2 failures used, 1 preemption)" in retry_log, retry_log[-4000:]
-    wait_for(lambda: "attempt 2 (0 of 2 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
-             30, "the progress ConfigMap to show attempt 2", lambda: str(progress_data(namespace)))
-    # The pods saw a SIGTERM (preempted); the API server saw whose: `make why` says the pod was deleted.
-    text, _ = make_why(namespace, "ssh")
-    assert re.search(rf"Attempts: 1 pod-deleted at step \d+, {TOOK} \(the pods saw preempted; the cluster: "
-                     rf"pod {first}: Killing at ", text), (text, first_log[-4000:])
-    stop_endless_job(namespace)
-
-
-def test_on_the_charts_default_storage_a_deleted_or_force_deleted_worker_resumes_from_its_peers_copy(namespace):
-    """The chart's defaults: an emptyDir per pod, no claim, no bucket. Worker 1's pod is deleted during training
-    (its SIGTERM: a preemption; its stop's checkpoint goes to worker 0 within its grace period), then its
-    replacement is force-deleted (no SIGTERM: nothing more copied). Each time the StatefulSet's new pod starts with
-    an empty volume and the job resumes from the part worker 0 keeps of it; `make why` says where each attempt's
-    checkpoint came from."""
-    install(namespace, steps=100000, train_config={"checkpoint_every": 20}, job={"runRetries": 1},
-            launcher={"scaleDownWorkers": False})
-    launcher_log = lambda: kubectl("logs", f"job/{LAUNCHER}", "--tail=-1", namespace=namespace, check=False)  # noqa: E731
-    worker1_log = lambda: kubectl("logs", f"{WORKERS}-1", "-c", "worker", namespace=namespace, check=False)  # noqa: E731
-    wait_for(lambda: "this worker's part" in worker1_log(), 300, "worker 1's first part kept on worker 0",
-             lambda: diagnose(namespace))
-    deleted = time.monotonic()
-    kubectl("delete", "pod", f"{WORKERS}-1", "--wait=false", namespace=namespace)
-    plan = r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)"
-    first = wait_for(lambda: (m := re.search(plan + r"[\s\S]*resumed from /checkpoints/(step_\d+) at step",
-                                              launcher_log())) and m, 240, "attempt 2 to resume from the peer copy",
-                     lambda: diagnose(namespace))
-    resumed_s = time.monotonic() - deleted
-    assert first[1] == first[2], first[0][-2000:]
-    assert "attempt 2 (0 of 1 failures used, 1 preemption)" in launcher_log()  # a deletion spends nothing
-    step = int(first[1].removeprefix("step_"))
-    wait_for(lambda: any(int(s) > step for s in re.findall(r"step_(\d+): this worker's part", worker1_log())), 240,
-             "the new pod's next part kept on worker 0", lambda: diagnose(namespace))
-    forced = time.monotonic()
-    kubectl("delete", "pod", f"{WORKERS}-1", "--grace-period=0", "--force", "--wait=false", namespace=namespace)
-    second = wait_for(lambda: len(re.findall(plan, log := launcher_log())) >= 2 and "attempt 3 (" in log and
-                      re.search(r"attempt 3 \([\s\S]*resumed from /checkpoints/step_\d+ at step", log) and log,
-                      300, "attempt 3 to resume from the peer copy", lambda: diagnose(namespace))
-    forced_s = time.monotonic() - forced
-    assert "config-error" not in second, second[-4000:]
-    wait_for(lambda: progress_data(namespace).get("lastFault", "").startswith("attempt 3 lost "), 60,
-             "rank 0's first step of attempt 3", lambda: str(progress_data(namespace)))
-    text, _ = make_why(namespace, "ssh")
-    assert re.search(r"The last fault: attempt 3 lost [\d.]+s to the fault before it: ", text), text
-    assert re.search(r"2 \S+( at step \d+)?, " + TOOK + r", resumed from the peer copy", text), text
-    print(f"\nworker pod deleted: resumed from the peer copy {resumed_s:.0f}s later; force-deleted: "
-          f"{forced_s:.0f}s later\nmake why:\n{text}")
-    stop_endless_job(namespace)
-
-
-def test_an_upgrade_mid_run_starts_the_new_launcher_on_workers_of_the_new_template(namespace, shared_claim):
-    """Seen before the fix: the new launcher passed its worker check against the OLD pods at once, pdsh then hit
-    a worker being replaced, and the attempt failed. Now it waits for the rollout and its first run succeeds.
-    The runs are endless (150 steps take 2 s here: the first run could end before the upgrade lands); the test
-    needs the new launcher's first run to resume and train on, not to finish."""
-    # peak_tflops: an MFU on CPU, for the dashboard's MFU panel.
-    values = {"checkpoints": {"existingClaim": shared_claim}, "train_config": {"checkpoint_every": 10,
-                                                                               "peak_tflops": 1.0}}
-    install(namespace, steps=100000, launcher={"scaleDownWorkers": False}, **values)
-    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000010", 300, "checkpoint 10",
-             lambda: diagnose(namespace))
-    check_the_dashboard_on_a_real_prometheus(namespace)
-    # A change to the worker pod template: the StatefulSet rolls its pods one at a time.
-    install(namespace, steps=100000, action="upgrade", launcher={"scaleDownWorkers": False},
-            worker={"podAnnotations": {"example.com/rollout": "2"}}, **values)
-    # The pre-upgrade config check ran (and passed: Helm deleted it) while the first launcher's run held the workers.
-    check = f"involvedObject.name={RELEASE}-deepspeed-training-config-check"
-    events = kubectl("get", "events", "--field-selector", check, "-o", "jsonpath={.items[*].reason}",
-                     namespace=namespace).split()
-    assert events.count("Completed") == 2, events  # the pre-install's and the pre-upgrade's
-    second = f"{RELEASE}-deepspeed-training-launcher-2"
-
-    def trained_on_after_resuming() -> str | None:
-        logs = kubectl("logs", f"job/{second}", "--tail=-1", namespace=namespace, check=False)
-        resumed = re.search(r"resumed from /checkpoints/step_(\d+) at step", logs)
-        steps = [int(n) for n in re.findall(r"INFO step (\d+)/", logs)]
-        return logs if resumed and steps and max(steps) >= int(resumed.group(1)) + 20 else None
-
-    logs = wait_for(trained_on_after_resuming, 400, "the new launcher to resume and train 20 steps",
-                    lambda: diagnose(namespace))
-    assert not get("job", second, namespace)["status"].get("failed")
-    # The upgrade's new Job continues the release's ledger (keyed by the install, not the Job): the first Job's
-    # attempt, stopped by the upgrade, is a preemption.
-    assert "attempts: attempt 2 (0 of 2 failures used, 1 preemption)" in logs, logs[:3000]
-    assert "launcher: retry" not in logs, logs[:logs.index("launcher: retry")][-8000:]  # the failed first run
-    stop_endless_job(namespace)
-    print("the new launcher waited for the rollout:", "a pod of an earlier revision" in logs)
-
-
-def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_place(namespace, shared_claim):
-    install(namespace, steps=120, launchMode="nossh", train_config={"checkpoint_every": 10},
-            checkpoints={"existingClaim": shared_claim})
-    job = get("job", NOSSH_WORKERS, namespace)
-    assert job["spec"]["completionMode"] == "Indexed"
-    ours = kubectl("get", "secrets,statefulsets,roles", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name",
-                   namespace=namespace)
-    # No SSH Secret, no StatefulSet, no scale Role: the progress sidecar's Role only.
-    assert ours.split() == [f"role.rbac.authorization.k8s.io/{RELEASE}-deepspeed-training-progress"], ours
-
-    def checkpoint_20():
-        pod = nossh_pod(namespace, 0)
-        return pod and kubectl("exec", pod, "--", "cat", "/checkpoints/latest", namespace=namespace,
-                               check=False).strip() >= "step_00000020"
-
-    wait_for(checkpoint_20, 300, "checkpoint 20", lambda: diagnose(namespace))
-    # The Job controller gave worker 0 the host name the hostfile and --master_addr use.
-    worker0 = nossh_pod(namespace, 0)
-    assert kubectl("exec", worker0, "--", "hostname", namespace=namespace).strip() == f"{NOSSH_WORKERS}-0"
-    assert kubectl("exec", worker0, "--", "pgrep", "-c", "sshd", namespace=namespace, check=False).strip() == "0"
-    kubectl("exec", nossh_pod(namespace, 1), "--", "pkill", "-KILL", "-f", "--", "--local_rank=", namespace=namespace)
-    outcome = wait_for(lambda: job_outcome(namespace, NOSSH_WORKERS), 400, "the workers' Job to finish",
-                       lambda: diagnose(namespace))
-    assert outcome == "Complete", diagnose(namespace)
-    status = get("job", NOSSH_WORKERS, namespace)["status"]
-    assert status.get("succeeded") == 2 and not status.get("failed")  # retried in place: no pod recreated
-    logs = kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
-                   "--timestamps", "--tail=-1", namespace=namespace)
-    assert "starting the run, attempt 2 (1 of 2 failures used, 0 preemptions)" in logs, logs[-4000:]
-    assert "resumed from /checkpoints/step_" in logs and "INFO step 120/120" in logs
-    # Worker 0's sidecar (rank 0 and the ledger in one pod) left the job's last word, goodput over both attempts.
-    final = wait_for(lambda: (data := progress_data(namespace)).get("state") == "done"
-                     and "step 120/120 (100.0%)" in data.get("summary", "") and data, 30,
-                     "the progress ConfigMap's summary to say done at step 120", lambda: str(progress_data(namespace)))
-    assert "attempt 2 (1 of 2 failures used, 0 preemptions)" in final["summary"], final
-    assert final["goodput"].endswith("(2 attempts)"), final
-    # The kill's loss by its parts, split at the killed rank's end record and the ledger's end of the attempt.
-    assert re.fullmatch(r"attempt 2 lost [\d.]+s to the fault before it: detect [\d.]+s \+ stop [\d.]+s \+ "
-                        r"reschedule [\d.]+s \+ start .* \+ recompute [\d.]+s", final.get("lastFault", "")), final
 
 
 def test_install_trains_to_completion_with_restricted_pods_and_scales_down(namespace):
@@ -734,31 +648,6 @@ def test_install_trains_to_completion_with_restricted_pods_and_scales_down(names
     print(f"make status WATCH=1: {len(lines)} lines, the last: {lines[-1]}")
 
 
-def test_a_rank_over_its_memory_limit_is_oom_killed_and_the_same_oom_stops_the_job(namespace):
-    """A model too big for the workers' memory limit: the kernel's OOM killer ends the ranks as they build it. The
-    container's memory cgroup counted it (cgroup v1 here: only the rank dies, the container lives on, so the API
-    server has no OOMKilled to show): the ledger's cause is oom-killed, the retry meets the same, and the budget
-    stops the job; `make why` and the Job say so."""
-    install(namespace, steps=100, launchMode="nossh", job={"runRetries": 1},
-            train_config={"model": {"n_layer": 12, "d_model": 2048, "n_head": 16, "seq_len": 32}},
-            worker={"resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1536Mi"}}})
-    outcome = wait_for(lambda: job_outcome(namespace, NOSSH_WORKERS), 400, "the workers' Job to fail",
-                       lambda: diagnose(namespace))
-    assert outcome == "Failed", diagnose(namespace)
-    data = wait_for(lambda: (d := progress_data(namespace)).get("cause") == "budget-spent" and d, 60,
-                    "the ConfigMap to say budget-spent", lambda: str(progress_data(namespace)))
-    text, _ = make_why(namespace, "nossh")
-    assert re.search(rf"Attempts: 1 oom-killed, {TOOK}; 2 oom-killed, {TOOK}\.", text), text
-    assert "the kernel's OOM killer ended a process in the container of" in data["reason"], data
-    pods = json.loads(kubectl("get", "pods", "-l", f"job-name={NOSSH_WORKERS}", "-o", "json",
-                              namespace=namespace))["items"]
-    messages = [c["state"]["terminated"].get("message", "") for p in pods for c in p["status"]["containerStatuses"]
-                if c["name"] == "worker" and c["state"].get("terminated")]
-    assert any(m.startswith("failed | budget-spent | failure budget spent") for m in messages), messages
-    print(f"\nmake why:\n{text}")
-    stop_endless_job(namespace)
-
-
 def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_the_pod(namespace, shared_claim):
     """runRetries 0: the first failed run spends the job's budget; the launcher exits with the ledger's status
     and the chart's podFailurePolicy fails the Job at once (no new pod), saying why where `kubectl get/describe
@@ -786,119 +675,230 @@ def test_a_killed_rank_spends_the_budget_and_the_job_fails_with_the_reason_in_th
     stop_endless_job(namespace)
 
 
-def test_make_why_says_why_a_pod_does_not_start(namespace):
-    """Workers that ask for more CPU than the node has, and a launcher whose image cannot be pulled (no config check:
-    it runs in that image): `make why` gives each pod's line with the cluster's reason."""
-    missing = {"repository": "localhost/no-such-image", "tag": "1", "pullPolicy": "IfNotPresent"}
-    install(namespace, steps=10, image=missing, worker={"resources": {"requests": {"cpu": "3"}}},
-            configCheck={"enabled": False})
+def test_a_stopped_rank_is_found_by_the_watchdog_named_and_the_retry_in_the_pod_resumes(namespace, shared_claim):
+    """The hang drill on a real kubelet: the watchdog runs in the restricted worker pods (no ptrace), dumps the
+    stacks from inside the ranks, and ends the attempt; the launcher's retry resumes in the same pod."""
+    # Enough steps that the stop lands mid-run on a fast node too (CI trained 60 steps/s: 400 steps were gone in 7 s).
+    steps = 1000
+    install(namespace, steps=steps, train_config={"checkpoint_every": 20}, checkpoints={"existingClaim": shared_claim},
+            launcher={"scaleDownWorkers": False}, job={"runRetries": 1},
+            hangDetection=HANG_BUDGETS)
+    wait_for(lambda: latest_checkpoint(namespace) >= "step_00000020", 300, "checkpoint 20",
+             lambda: diagnose(namespace))
+    # Training goes on while the test polls: the retry must resume from at least what was saved before the stop.
+    # The stop may land in a save (every 20 steps): checkpointSeconds bounds that, as stepSeconds bounds a step.
+    saved_before_stop = int(latest_checkpoint(namespace).removeprefix("step_"))
+    worker_exec(namespace, 1, "pkill", "-STOP", "-f", "--", "--local_rank=")
+    seen = {}
+    outcome = wait_for(lambda: culprit_seen(namespace, seen) and job_outcome(namespace), 300, "the Job to finish",
+                       lambda: diagnose(namespace))
+    # The progress ConfigMap (the launcher's sidecar, from both workers' reports) names the stopped rank on the
+    # second host, not the first host's rank that waits for it (what it showed before).
+    logs = launcher_logs(namespace)
+    around_the_hang = logs[max(0, logs.find("attempts: attempt 2") - 5000):][:6000]
+    assert seen.get("culprit") == f"rank 1 on {WORKERS}-1", (seen, around_the_hang)
+    assert f"hang: rank 1 on {WORKERS}-1 is the likely culprit (its process is stopped" in seen["reason"], seen
+    assert outcome == "Complete", attempts_summary(namespace)
+    assert get("job", LAUNCHER, namespace)["status"].get("failed") is None, attempts_summary(namespace)
+    assert re.search(r"rank 1 \(pid \d+, local rank 0\) on \S+worker-1: process stopped", logs), logs[-6000:]
+    # (Whether worker 0's watchdog also reported its rank waiting depends on which budget ran out first: the stopped
+    # rank's host ends the attempt at once, and the waiting rank's collective then fails. tests/test_watchdog_signals.py
+    # places a waiting peer, and tests/e2e/test_hangs.py the waiting host's word across hosts.)
+    retry = logs[logs.rindex("attempts: attempt 2 (1 of 1 failures used, 0 preemptions)"):]
+    resumed = re.search(r"resumed from /checkpoints/step_(\d+) ", retry)
+    assert resumed and saved_before_stop <= int(resumed[1]) < steps, retry[-4000:]
+    assert f"INFO step {steps}/{steps}" in retry, retry[-4000:]
+    # The stacks behind the report, on the shared claim.
+    stacks = worker_exec(namespace, 0, "sh", "-c", "cat /checkpoints/_job/diagnostics/run-*/*worker-1.txt")
+    assert "process stopped" in stacks, stacks[-2000:]
+    # `make why` from the API server names the cause, the culprit and where its stacks are; `make logs` one rank's
+    # lines of one attempt, out of the launcher's log where pdsh merges every rank.
+    text, seconds = make_why(namespace, "ssh")
+    assert re.search(rf"Attempts: 1 hang at step \d+, {TOOK} \(culprit rank 1 on {WORKERS}-1; its stacks: "
+                     rf"/checkpoints/_job/diagnostics/run-0001-\w+/{WORKERS}-1.txt on its host's checkpoint volume\); "
+                     rf"2 completed, {TOOK}\.", text), text
+    assert "Failure budget: 1 of 1 used, 0 left" in text, text
+    lines = make_logs(namespace, "ssh", 1, 2)
+    assert lines[0].startswith(f"== pod {LAUNCHER}-") and len(lines) > 2, lines
+    assert all("[rank 1 attempt 2] " in line for line in lines[1:]), lines
+    print(f"\nmake why ({seconds:.2f}s):\n{text}\nmake logs RANK=1 ATTEMPT=2: {len(lines) - 1} lines, e.g. {lines[1]}")
 
-    def said() -> str | None:
-        text = make_why(namespace, "ssh")[0]
-        return text if "cannot be pulled" in text and "not scheduled:" in text else None
 
-    text = wait_for(said, 180, "make why to say why the pods do not start",
-                    lambda: kubectl("get", "pods", "-o", "wide", namespace=namespace, check=False))
-    assert re.search(rf"Not running: pods {WORKERS}-[01], {WORKERS}-[01]: not scheduled: 0/1 nodes are available: 1 "
-                     r"Insufficient cpu", text), text
-    assert re.search(rf"Not running: pod {LAUNCHER}-\S+: container launcher: its image localhost/no-such-image:1 "
-                     r"cannot be pulled \((ErrImagePull|ImagePullBackOff): ", text), text
+TOOK = r"(\d+h\d\dm|(\d+m)?\d+s)"  # how long an attempt took, as `make why` says it: 41s, 2m03s, 1h02m
+
+
+def why_release(namespace: str, mode: str):
+    """This tier's release as scripts/deployctl/why.py sees it, and the API as a person's kubeconfig reaches it."""
+    from kubernetes import client, config
+
+    config.load_kube_config()
+    jobs = [LAUNCHER] if mode == "ssh" else [NOSSH_WORKERS]
+    return why.Release(RELEASE, namespace, f"{RELEASE}-deepspeed-training-progress", mode, jobs, 1, "/checkpoints",
+                       workloads=(*jobs, WORKERS) if mode == "ssh" else tuple(jobs)), client
+
+
+def make_why(namespace: str, mode: str) -> tuple[str, float]:
+    """`make why`'s paragraph, read from this API server, and the seconds it took."""
+    release, client = why_release(namespace, mode)
+    started = time.monotonic()
+    text = why.why_text(release, why.read(client.CoreV1Api(), client.BatchV1Api(), release))
+    return text, time.monotonic() - started
+
+
+def make_logs(namespace: str, mode: str, rank: int, attempt: int | None) -> list[str]:
+    """`make logs RANK= ATTEMPT=`'s lines, from this API server."""
+    release, client = why_release(namespace, mode)
+    return why.rank_log(client.CoreV1Api(), release, rank, attempt)
+
+
+def culprit_seen(namespace: str, seen: dict) -> bool:
+    """Keeps the progress ConfigMap's data once it names a culprit; always True (a wait's side look)."""
+    data = progress_data(namespace)
+    if data.get("culprit") and not seen:
+        seen.update(data)
+    return True
+
+
+def test_deleting_the_launcher_pod_saves_a_checkpoint_and_the_next_attempt_resumes(namespace, shared_claim):
+    # No periodic checkpoints: any checkpoint is the one the ranks wrote on SIGTERM.
+    install(namespace, steps=100000, train_config={"checkpoint_every": 0}, checkpoints={"existingClaim": shared_claim},
+            launcher={"scaleDownWorkers": False}, job={"backoffLimit": 2})
+    wait_for(lambda: "INFO step 20/" in kubectl("logs", f"job/{LAUNCHER}", namespace=namespace, check=False), 300,
+             "training to reach step 20", lambda: diagnose(namespace))
+    check_progress_while_training(namespace)
+    first = json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/component=launcher", "-o", "json",
+                               namespace=namespace))["items"][0]["metadata"]["name"]
+    # Its log goes with the pod: followed from here, it says how the stopped attempt ended.
+    follower = subprocess.Popen(["kubectl", "--namespace", namespace, "logs", "-f", first, "-c", "launcher"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kubectl("delete", "pod", first, "--wait=true", namespace=namespace, timeout=240)
+    first_log = follower.communicate(timeout=30)[0]
+    saved = wait_for(lambda: latest_checkpoint(namespace), 30, "the checkpoint written on SIGTERM")
+    retry_log = wait_for(lambda: "resumed from" in (log := kubectl("logs", f"job/{LAUNCHER}", namespace=namespace,
+                                                                   check=False)) and log, 240,
+                         "a new launcher attempt to resume", lambda: diagnose(namespace))
+    assert f"resumed from /checkpoints/{saved} at step {int(saved.removeprefix('step_'))}" in retry_log
+    # A deletion is a stop, not a failure: the next pod's attempt spent nothing of the job's budget.
+    assert "attempt 2 (0 of 2 failures used, 1 preemption)" in retry_log, retry_log[-4000:]
+    wait_for(lambda: "attempt 2 (0 of 2 failures used, 1 preemption)" in progress_data(namespace).get("summary", ""),
+             30, "the progress ConfigMap to show attempt 2", lambda: str(progress_data(namespace)))
+    # The pods saw a SIGTERM (preempted); the API server saw whose: `make why` says the pod was deleted.
+    text, _ = make_why(namespace, "ssh")
+    assert re.search(rf"Attempts: 1 pod-deleted at step \d+, {TOOK} \(the pods saw preempted; the cluster: "
+                     rf"pod {first}: Killing at ", text), (text, first_log[-4000:])
+    stop_endless_job(namespace)
+
+
+def test_on_the_charts_default_storage_a_deleted_or_force_deleted_worker_resumes_from_its_peers_copy(namespace):
+    """The chart's defaults: an emptyDir per pod, no claim, no bucket. Worker 1's pod is deleted during training
+    (its SIGTERM: a preemption; its stop's checkpoint goes to worker 0 within its grace period), then its
+    replacement is force-deleted (no SIGTERM: nothing more copied). Each time the StatefulSet's new pod starts with
+    an empty volume and the job resumes from the part worker 0 keeps of it; `make why` says where each attempt's
+    checkpoint came from."""
+    install(namespace, steps=100000, train_config={"checkpoint_every": 20}, job={"runRetries": 1},
+            launcher={"scaleDownWorkers": False})
+    launcher_log = lambda: kubectl("logs", f"job/{LAUNCHER}", "--tail=-1", namespace=namespace, check=False)  # noqa: E731
+    worker1_log = lambda: kubectl("logs", f"{WORKERS}-1", "-c", "worker", namespace=namespace, check=False)  # noqa: E731
+    wait_for(lambda: "this worker's part" in worker1_log(), 300, "worker 1's first part kept on worker 0",
+             lambda: diagnose(namespace))
+    deleted = time.monotonic()
+    kubectl("delete", "pod", f"{WORKERS}-1", "--wait=false", namespace=namespace)
+    plan = r"resuming from (step_\d+): worker 1 from the copy its peer keeps \(worker 0\)"
+    first = wait_for(lambda: (m := re.search(plan + r"[\s\S]*resumed from /checkpoints/(step_\d+) at step",
+                                              launcher_log())) and m, 240, "attempt 2 to resume from the peer copy",
+                     lambda: diagnose(namespace))
+    resumed_s = time.monotonic() - deleted
+    assert first[1] == first[2], first[0][-2000:]
+    assert "attempt 2 (0 of 1 failures used, 1 preemption)" in launcher_log()  # a deletion spends nothing
+    step = int(first[1].removeprefix("step_"))
+    wait_for(lambda: any(int(s) > step for s in re.findall(r"step_(\d+): this worker's part", worker1_log())), 240,
+             "the new pod's next part kept on worker 0", lambda: diagnose(namespace))
+    forced = time.monotonic()
+    kubectl("delete", "pod", f"{WORKERS}-1", "--grace-period=0", "--force", "--wait=false", namespace=namespace)
+    second = wait_for(lambda: len(re.findall(plan, log := launcher_log())) >= 2 and "attempt 3 (" in log and
+                      re.search(r"attempt 3 \([\s\S]*resumed from /checkpoints/step_\d+ at step", log) and log,
+                      300, "attempt 3 to resume from the peer copy", lambda: diagnose(namespace))
+    forced_s = time.monotonic() - forced
+    assert "config-error" not in second, second[-4000:]
+    wait_for(lambda: progress_data(namespace).get("lastFault", "").startswith("attempt 3 lost "), 60,
+             "rank 0's first step of attempt 3", lambda: str(progress_data(namespace)))
+    text, _ = make_why(namespace, "ssh")
+    assert re.search(r"The last fault: attempt 3 lost [\d.]+s to the fault before it: ", text), text
+    assert re.search(r"2 \S+( at step \d+)?, " + TOOK + r", resumed from the peer copy", text), text
+    print(f"\nworker pod deleted: resumed from the peer copy {resumed_s:.0f}s later; force-deleted: "
+          f"{forced_s:.0f}s later\nmake why:\n{text}")
+    stop_endless_job(namespace)
+
+
+def test_a_rank_over_its_memory_limit_is_oom_killed_and_the_same_oom_stops_the_job(namespace):
+    """A model too big for the workers' memory limit: the kernel's OOM killer ends the ranks as they build it. The
+    container's memory cgroup counted it (cgroup v1 here: only the rank dies, the container lives on, so the API
+    server has no OOMKilled to show): the ledger's cause is oom-killed, the retry meets the same, and the budget
+    stops the job; `make why` and the Job say so."""
+    install(namespace, steps=100, launchMode="nossh", job={"runRetries": 1},
+            train_config={"model": {"n_layer": 12, "d_model": 2048, "n_head": 16, "seq_len": 32}},
+            worker={"resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1536Mi"}}})
+    outcome = wait_for(lambda: job_outcome(namespace, NOSSH_WORKERS), 400, "the workers' Job to fail",
+                       lambda: diagnose(namespace))
+    assert outcome == "Failed", diagnose(namespace)
+    data = wait_for(lambda: (d := progress_data(namespace)).get("cause") == "budget-spent" and d, 60,
+                    "the ConfigMap to say budget-spent", lambda: str(progress_data(namespace)))
+    text, _ = make_why(namespace, "nossh")
+    assert re.search(rf"Attempts: 1 oom-killed, {TOOK}; 2 oom-killed, {TOOK}\.", text), text
+    assert "the kernel's OOM killer ended a process in the container of" in data["reason"], data
+    pods = json.loads(kubectl("get", "pods", "-l", f"job-name={NOSSH_WORKERS}", "-o", "json",
+                              namespace=namespace))["items"]
+    messages = [c["state"]["terminated"].get("message", "") for p in pods for c in p["status"]["containerStatuses"]
+                if c["name"] == "worker" and c["state"].get("terminated")]
+    assert any(m.startswith("failed | budget-spent | failure budget spent") for m in messages), messages
     print(f"\nmake why:\n{text}")
-    # `make deploy`'s closing check: the same lines, once they hold, and a count of the pods by phase.
-    release, client = why_release(namespace, "ssh")
-    started = time.monotonic()
-    checked = why.settled(release, client.CoreV1Api(), client.BatchV1Api(), settle=2)  # make why saw them hold
-    assert checked[0].startswith(f"pods of {RELEASE}: ") and "Pending" in checked[0], checked
-    assert any("not scheduled: 0/1 nodes are available: 1 Insufficient cpu" in line for line in checked), checked
-    assert any("cannot be pulled" in line for line in checked), checked
-    print(f"make deploy's check ({time.monotonic() - started:.0f}s):\n" + "\n".join(checked))
+    stop_endless_job(namespace)
 
 
-# The longest tests first: the tier runs two at a time (scripts/test-cluster.sh), and a long one that starts
-# last would run alone at the end.
+def nossh_pod(namespace: str, index: int) -> str:
+    """The running pod of one completion index of the nossh workers' Job (its name has a random suffix)."""
+    pods = json.loads(kubectl("get", "pods", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-"
+                              f"index={index}", "-o", "json", namespace=namespace))["items"]
+    running = [p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running"]
+    return running[0] if running else ""
 
 
-def test_the_chart_alone_refuses_a_config_every_rank_would_refuse_before_creating_the_release(namespace):
-    """`helm install` without the glue: the config check hook runs the train package's check in the image, Helm
-    prints its one line, and nothing of the release (workers, launcher, Service) is created."""
-    started = time.monotonic()
-    proc = install(namespace, steps=60, check=False, deepspeed={"config": {
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}})
-    took = time.monotonic() - started
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output
-    assert ("config check failed: ds_config deepspeed.config (/etc/deepspeed/config/ds_config.json): "
-            "train_batch_size 16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x 2 "
-            "data-parallel ranks") in output, output
-    assert "ci-deepspeed-training-config-check" in proc.stderr, proc.stderr  # Helm names the failed hook
-    made = kubectl("get", "statefulsets,services,jobs,pods", "-o", "name", namespace=namespace).split()
-    assert all("config-check" in name for name in made), made
-    print(f"\nhelm install refused in {took:.1f}s:\n{output.strip()}")
+def test_nossh_trains_without_ssh_and_a_killed_rank_restarts_every_worker_in_place(namespace, shared_claim):
+    install(namespace, steps=120, launchMode="nossh", train_config={"checkpoint_every": 10},
+            checkpoints={"existingClaim": shared_claim})
+    job = get("job", NOSSH_WORKERS, namespace)
+    assert job["spec"]["completionMode"] == "Indexed"
+    ours = kubectl("get", "secrets,statefulsets,roles", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name",
+                   namespace=namespace)
+    # No SSH Secret, no StatefulSet, no scale Role: the progress sidecar's Role only.
+    assert ours.split() == [f"role.rbac.authorization.k8s.io/{RELEASE}-deepspeed-training-progress"], ours
 
+    def checkpoint_20():
+        pod = nossh_pod(namespace, 0)
+        return pod and kubectl("exec", pod, "--", "cat", "/checkpoints/latest", namespace=namespace,
+                               check=False).strip() >= "step_00000020"
 
-def test_make_plan_says_whether_the_job_fits_this_clusters_nodes():
-    """`make plan` with this cluster as the kube context: dev's sizing (2 workers x 1 CPU, and the chart's own
-    containers on top) does not fit the one 2-CPU node; this tier's sizing (ci/09) does. Nothing is installed."""
-    from scripts.deployctl import fit
-
-    plan = subprocess.run([sys.executable, "-m", "scripts.deployctl", "plan", "--env", "dev", "--project", "example"],
-                          cwd=CHART.parents[1], capture_output=True, text=True, timeout=120)
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    assert "  requests    2 worker pods x 1.01 CPU" in plan.stdout, plan.stdout
-    assert re.search(r"  fits        on empty nodes: no: worker pod 2 of 2 \(1\.01 CPU, [^)]*\) finds no node after "
-                     r"\d+ other pods? \(1 schedulable node, first fit", plan.stdout), plan.stdout
-    assert re.search(r"  fits        now: (yes|no: .*finds no node)", plan.stdout), plan.stdout
-    manifests = subprocess.run([HELM, "template", RELEASE, str(CHART), "-f", str(SMALL_NODE)], capture_output=True,
-                               text=True, check=True).stdout
-    lines = fit.fit_lines(fit.pod_groups(manifests), None)
-    assert lines[0].startswith("  fits        on empty nodes: yes (1 schedulable node, first fit"), lines
-    print("\n" + "\n".join(line for line in plan.stdout.splitlines() if line.startswith(("  requests", "  fits"))))
-    print("\n".join(lines))
-
-
-def test_a_kept_ssh_secret_serves_a_reinstall_of_its_project_and_never_a_new_project_under_its_name(namespace):
-    """The SSH Secret outlives `helm uninstall` (resource-policy keep): a reinstall of the same project (the same
-    identity, checkpoints.owner) reuses its keys; a new project that takes the name gets keys of its own. The pods
-    never get scheduled here: the keys are the objects'."""
-    unscheduled = {"scheduling": {"schedulerName": "nobody"}, "configCheck": {"enabled": False}}
-    secret = f"{RELEASE}-deepspeed-training-ssh"
-
-    def keys() -> dict:
-        return get("secret", secret, namespace)["data"]
-
-    install(namespace, steps=10, checkpoints={"owner": "p-llama"}, **unscheduled)
-    first = keys()
-    for owner, same in (("p-llama", True), ("p-newteam", False)):
-        proc = subprocess.run([HELM, "uninstall", RELEASE, "--namespace", namespace, "--wait"], capture_output=True,
-                              text=True)
-        assert proc.returncode == 0 and get("secret", secret, namespace), proc.stderr  # kept
-        install(namespace, steps=10, checkpoints={"owner": owner}, **unscheduled)
-        assert (keys() == first) is same, owner
-        assert get("secret", secret, namespace)["metadata"]["annotations"]["deepspeed-training/owner"] == owner
-
-
-def test_each_account_holds_only_its_own_releases_rights(namespace):
-    """The accounts the chart binds, from the API server's side: the release's own account may get and patch its
-    progress ConfigMap and patch its workers' scale, and nothing else; a second release running as a shared account
-    (a platform's) gets no Role at all, so it holds none of the first's rights; the config check's account none.
-    The pods never get scheduled here (a scheduler nobody runs): the rights are the objects'."""
-    unscheduled = {"scheduling": {"schedulerName": "nobody"}, "configCheck": {"enabled": False}}
-    install(namespace, steps=10, **unscheduled)
-    kubectl("create", "serviceaccount", "platform-trainer", namespace=namespace)
-    proc = subprocess.run([HELM, "install", "other", str(CHART), "--namespace", namespace, "-f", str(SMALL_NODE),
-                           "--set", f"image.repository={IMAGE.rpartition(':')[0]}", "--set",
-                           f"image.tag={IMAGE.rpartition(':')[2]}", "--set", "serviceAccount.create=false", "--set",
-                           "serviceAccount.name=platform-trainer", "--set", "launcher.scaleDownWorkers=false",
-                           "--set", "scheduling.schedulerName=nobody", "--set", "configCheck.enabled=false"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    own = rights(namespace, f"{RELEASE}-deepspeed-training")
-    assert own == {("configmaps", f"{RELEASE}-deepspeed-training-progress", "get"),
-                   ("configmaps", f"{RELEASE}-deepspeed-training-progress", "patch"),
-                   ("statefulsets/scale.apps", f"{RELEASE}-deepspeed-training-worker", "patch")}, own
-    assert rights(namespace, "platform-trainer") == set()  # the shared account: no Role bound to it, by any release
-    assert rights(namespace, "default") == set()
-    bindings = json.loads(kubectl("get", "rolebindings", "-o", "json", namespace=namespace))["items"]
-    assert {s["name"] for b in bindings for s in b["subjects"]} == {f"{RELEASE}-deepspeed-training"}, bindings
-    print(f"\nkubectl auth can-i --list --as=system:serviceaccount:{namespace}:{RELEASE}-deepspeed-training: "
-          f"{sorted(own)}")
+    wait_for(checkpoint_20, 300, "checkpoint 20", lambda: diagnose(namespace))
+    # The Job controller gave worker 0 the host name the hostfile and --master_addr use.
+    worker0 = nossh_pod(namespace, 0)
+    assert kubectl("exec", worker0, "--", "hostname", namespace=namespace).strip() == f"{NOSSH_WORKERS}-0"
+    assert kubectl("exec", worker0, "--", "pgrep", "-c", "sshd", namespace=namespace, check=False).strip() == "0"
+    kubectl("exec", nossh_pod(namespace, 1), "--", "pkill", "-KILL", "-f", "--", "--local_rank=", namespace=namespace)
+    outcome = wait_for(lambda: job_outcome(namespace, NOSSH_WORKERS), 400, "the workers' Job to finish",
+                       lambda: diagnose(namespace))
+    assert outcome == "Complete", diagnose(namespace)
+    status = get("job", NOSSH_WORKERS, namespace)["status"]
+    assert status.get("succeeded") == 2 and not status.get("failed")  # retried in place: no pod recreated
+    logs = kubectl("logs", "-l", f"job-name={NOSSH_WORKERS},batch.kubernetes.io/job-completion-index=0",
+                   "--timestamps", "--tail=-1", namespace=namespace)
+    assert "starting the run, attempt 2 (1 of 2 failures used, 0 preemptions)" in logs, logs[-4000:]
+    assert "resumed from /checkpoints/step_" in logs and "INFO step 120/120" in logs
+    # Worker 0's sidecar (rank 0 and the ledger in one pod) left the job's last word, goodput over both attempts.
+    final = wait_for(lambda: (data := progress_data(namespace)).get("state") == "done"
+                     and "step 120/120 (100.0%)" in data.get("summary", "") and data, 30,
+                     "the progress ConfigMap's summary to say done at step 120", lambda: str(progress_data(namespace)))
+    assert "attempt 2 (1 of 2 failures used, 0 preemptions)" in final["summary"], final
+    assert final["goodput"].endswith("(2 attempts)"), final
+    # The kill's loss by its parts, split at the killed rank's end record and the ledger's end of the attempt.
+    assert re.fullmatch(r"attempt 2 lost [\d.]+s to the fault before it: detect [\d.]+s \+ stop [\d.]+s \+ "
+                        r"reschedule [\d.]+s \+ start .* \+ recompute [\d.]+s", final.get("lastFault", "")), final
