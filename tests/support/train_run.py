@@ -120,9 +120,19 @@ class Zygote:
 
         return self.process.poll() is None and all(env.get(k) == self.env.get(k) for k in IMPORT_TIME_ENV)
 
-    def fork(self, args: list[str], env: dict, out_fd: int, pgid: int) -> ForkedRank:
+    def fork(self, args: list[str], env: dict, out_fd: int, pgid: int) -> "ForkedRank | None":
+        """The forked rank; None when the zygote no longer answers (nothing was sent: the caller starts the rank
+        as a fresh process, and every later rank too)."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.path)
+        try:
+            conn.connect(self.path)
+        except OSError as err:
+            conn.close()
+            print(f"train_run: the rank zygote no longer answers ({err}); every rank is a fresh process",
+                  file=sys.stderr)
+            Zygote._failed, Zygote._instance = True, None
+            self.close()
+            return None
         request = {"argv": list(args), "env": env, "cwd": str(ROOT), "pgid": pgid}
         socket.send_fds(conn, [json.dumps(request).encode()], [out_fd])
         answer = b""
@@ -149,8 +159,8 @@ def start_rank(args: list[str], env: dict, out_fd: int, group: int):
     if soft != 0:  # stop_with_stacks aborts ranks: no multi-GB core files in the repository
         resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
     zygote = Zygote.get()
-    if zygote is not None and zygote.serves(env):
-        return zygote.fork(args, env, out_fd, group)
+    if zygote is not None and zygote.serves(env) and (forked := zygote.fork(args, env, out_fd, group)) is not None:
+        return forked
     return subprocess.Popen([sys.executable, "-u", "-m", "train", *args], cwd=ROOT, env=env, stdout=out_fd,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=group)
 
