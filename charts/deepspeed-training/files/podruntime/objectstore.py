@@ -535,20 +535,20 @@ def newest_committed(uploader: Uploader, settings: Settings, local: str | None) 
             return committed
         if time.monotonic() >= deadline:
             if waiting:
-                said(f"{pending[0]}: still lacks node(s) {missing_parts(found[pending[0]], settings)}'s part after "
+                said(f"{pending[0]}: still lacks node(s) {missing_parts(found[pending[0]], uploader)}'s part after "
                      f"{time.monotonic() - started:.0f}s (the pods being stopped had that long): restoring the "
                      "newest committed tag")
             return committed
         if pending[0] != waiting:
             waiting = pending[0]
             said(f"{waiting} holds node {settings.node}'s part and lacks node(s) "
-                 f"{missing_parts(found[waiting], settings)}'s: waiting up to {deadline - time.monotonic():.0f}s "
+                 f"{missing_parts(found[waiting], uploader)}'s: waiting up to {deadline - time.monotonic():.0f}s "
                  "for a pod being stopped to upload it")
         time.sleep(POLL_S)
 
 
-def missing_parts(entry: dict, settings: Settings) -> str:
-    return ", ".join(str(n) for n in range(settings.nodes) if str(n) not in entry["parts"])
+def missing_parts(entry: dict, uploader: Uploader) -> str:
+    return ", ".join(sorted(uploader.nodes() - entry["parts"], key=int))
 
 
 def restore_checkpoint(store, settings: Settings) -> str:
