@@ -81,14 +81,21 @@ if [[ $mode == down ]]; then
 fi
 if [[ $mode == prepare ]]; then
   rm -f "$prepared"
-  if mkdir -p "$cpu_group" 2> /dev/null && echo "$lowest" > "$cpu_group/$weight" && echo $$ > "$cpu_group/cgroup.procs"; then
-    log "bringing the cluster up at the lowest CPU weight ($cpu_group)"
+  # `up` itself runs at the normal weight: its steps wait with time limits that assume a CPU (kube-apiserver's
+  # /readyz within 90 s: at the lowest weight beside the tests it missed it, after 5 minutes to unpack the
+  # binaries); the images' import, without such limits, then runs at the lowest.
+  if mkdir -p "$cpu_group" 2> /dev/null && echo "$normal" > "$cpu_group/$weight" && echo $$ > "$cpu_group/cgroup.procs"; then
+    log "bringing the cluster up in $cpu_group, the images then loaded at the lowest CPU weight"
   else
     log "no CPU cgroup to bring the cluster up in ($cpu_group): at the normal weight"
   fi
 elif [[ -f "$prepared" && "$(cat "$prepared")" == "$(images_id)" ]] \
   && KUBECONFIG="$state/kubeconfig" kubectl get --raw /readyz > /dev/null 2>&1; then
   [[ ! -d "$cpu_group" ]] || echo "$normal" > "$cpu_group/$weight"
+  # A kubelet starved of CPU beside the tests may have missed its lease: the node comes back Ready once it has its
+  # weight again.
+  KUBECONFIG="$state/kubeconfig" kubectl wait node --all --for=condition=Ready --timeout=180s > /dev/null \
+    || { log "the prepared cluster's node is not Ready"; exit 1; }
   log "using the cluster --prepare brought up, with the images it loaded"
   DS_IMAGE="$image" DS_SIDECAR_IMAGE="$sidecar_image" LOCAL_K8S="$k8s/local-k8s.sh" LOCAL_K8S_STATE="$state" \
     KUBECONFIG="$state/kubeconfig" "${command[@]}"
@@ -107,6 +114,9 @@ done
 KUBECONFIG="$("$k8s/local-k8s.sh" up "$state" 2> "$root/.build/k8s-up.log")" || { cat "$root/.build/k8s-up.log"; exit 1; }
 export KUBECONFIG
 log "cluster up in $((SECONDS - started))s"
+if [[ $mode == prepare && -d "$cpu_group" ]]; then
+  echo "$lowest" > "$cpu_group/$weight"
+fi
 for i in "${!saves[@]}"; do  # one after the other: two at once take as long (measured)
   wait "${saves[$i]}" || { cat "$archives/$i.log"; log "podman save failed"; exit 1; }
   "$k8s/local-k8s.sh" import "$state" "$archives/$i.tar" >> "$root/.build/k8s-import.log" 2>&1 \
