@@ -153,6 +153,15 @@ def test_background_saves_commit_each_tag_once_written_and_say_what_the_steps_wa
     assert (ckpt / "latest").read_text() == "step_00000016"
 
 
+def test_one_attempts_goodput_leaves_none_of_its_wall_time_unaccounted(uninterrupted):
+    """A step's time runs from the end of the step or save before it: the step loop's work between steps (its
+    report, a background save's poll) is the steps' time, as on a stopwatch, not time nothing measured."""
+    _, ckpt = uninterrupted
+    split = metrics(ckpt)["goodput_s"]
+    assert split["attempts"] == 1 and split["save"] > 0 and split["productive"] > 0, split
+    assert abs(split["unaccounted"]) < 0.01, split  # the six buckets are rounded to milliseconds
+
+
 @pytest.fixture
 def small_volume(tmp_path):
     """A checkpoint volume of `size` bytes (a tmpfs: root), unmounted afterwards."""

@@ -9,8 +9,9 @@ times:
 - `begun`: when the attempt began (DS_ATTEMPT_BEGUN from the chart's ledger, files/attempts.py; else this
   process's start)
 - `first_step`: when its first step started; `restore_s`: its checkpoint load; `save_s`: its saves
-- `productive_s`: its steps' time, with the value at each saved step (`at_step`), so that the steps a later attempt
-  trains again count as recomputation instead
+- `productive_s`: its steps' time, each from the end of the step or save before it (the program's loop between
+  steps is the steps' time, as on a stopwatch: train/report.py, train/hf_callback.py), with the value at each saved
+  step (`at_step`), so that the steps a later attempt trains again count as recomputation instead
 - `resumed_from`, `last_step`, `updated` (the end of its last step or save), `run` (DS_RUN_ID)
 - `started`: rank 0's process start; `rendezvous_s`: its process group's set-up, where the program says
   (the train package); `first_step_s`: the first step's time

@@ -217,7 +217,7 @@ class RunReport:
         self.reporter = Reporter(run.checkpoint_dir, run.rank)
         self.progress: Progress | None = None
         self.stragglers = Stragglers(logger, run.hosts)
-        self.step_started = (0.0, 0.0)
+        self.mark: tuple[float, float] | None = None  # (wall, perf_counter) the next step's time counts from
 
     def restoring(self) -> None:
         self.reporter.restoring()
@@ -231,12 +231,22 @@ class RunReport:
                                  lambda tokens_per_s: run.use.of(tokens_per_s, run.world_size))
 
     def step_begins(self) -> None:
-        self.step_started = (time.time(), time.perf_counter())
+        """The first step's time counts from its own start (what came before it is start-up); every later one's from
+        the end of the step or save before it, so that the step loop's own work between steps (this report, a
+        background save's poll) is the steps' time, as a stopwatch sees it, instead of time the job's goodput
+        leaves unaccounted (train/hf_callback.py counts the Trainer's steps so too)."""
+        if self.mark is None:
+            self.mark = (time.time(), time.perf_counter())
+
+    def _since_mark(self) -> tuple[float, float]:
+        """(when the time since the mark began, wall; its seconds), the mark moved to now."""
+        (started, since), now = self.mark or (time.time(), time.perf_counter()), time.perf_counter()
+        self.mark = (started + now - since, now)
+        return started, now - since
 
     def step(self, step: int, loss: float, lr: float, compute: list[float], stopping: bool, engine) -> None:
         """A finished step: its loss (the mean over ranks), every rank's own compute time, whether the ranks stop."""
-        fault = self.reporter.step(step, self.step_started[0], time.perf_counter() - self.step_started[1],
-                                   beat=not stopping)
+        fault = self.reporter.step(step, *self._since_mark(), beat=not stopping)
         if fault:
             self.logger.info(fault)
         self.losses.append((step, loss))
@@ -251,7 +261,7 @@ class RunReport:
         background, which committed() reports)."""
         self.progress.pause(stall)
         rankstate.publish(checkpoint_save_s=round(stall, 3))
-        self.reporter.saved(step, stall, beat=not stopping)
+        self.reporter.saved(step, self._since_mark()[1], beat=not stopping)  # the stall and the loop's work beside it
 
     def committed(self, committed: dict) -> None:
         """A checkpoint every rank can resume from: its commit record is written."""
