@@ -43,6 +43,7 @@ from podruntime import checkpoints as tags
 from podruntime.checkpoints import COMMIT_FILE, TAG_PATTERN
 from podruntime.ownership import ADOPT_ENV, OWNER_ENV
 from podruntime.tenantfiles import Tree
+from podruntime.text import error_line
 from train import rankstate
 
 UNIVERSAL_DIR = "universal"  # <ckpt>/universal/<tag>: a tag converted for another layout, committed like a tag
@@ -366,8 +367,7 @@ def fsync_tree(tag_dir: Path) -> int:
 def disk_error(ckpt_dir: Path, tag: str, err: BaseException) -> str:
     """One line: the tag, what failed, and the volume with its room (torch.save reports a full disk as a
     RuntimeError of its zip writer, not as ENOSPC: the room says it)."""
-    cause = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
-    cause = cause.splitlines()[0][:200] if cause else type(err).__name__
+    cause = err.strerror if isinstance(err, OSError) and err.strerror else error_line(err)
     try:
         usage = shutil.disk_usage(ckpt_dir)
         unit, scale = ("GiB", 2**30) if usage.total >= 2**30 else ("MiB", 2**20)

@@ -46,7 +46,7 @@ import urllib.parse
 from podruntime import checkpoints, ownership, protocol
 from podruntime.ledger import attempts_tree, job_tree
 from podruntime.tenantfiles import Tree, parse_json, parts_of
-from podruntime.text import Log
+from podruntime.text import Log, error_line
 
 PART_SIZE = 16 << 20  # multipart part size (S3's minimum is 5 MiB)
 PARALLEL = 4  # parts in flight per file
@@ -160,9 +160,7 @@ def check(store, settings: Settings) -> None:
                              f"these keys ({err.code}) for {settings.prefix}") from None
         raise StoreError(f"{where}: {settings.endpoint} answered {err.code}: {err.message}") from None
     except Exception as err:  # noqa: BLE001 - an unreachable endpoint, a TLS failure: one line, not a traceback
-        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise StoreError(f"{where}.endpoint {settings.endpoint!r}: unreachable ({type(err).__name__}: {reason})"
-                         ) from None
+        raise StoreError(f"{where}.endpoint {settings.endpoint!r}: unreachable ({error_line(err)})") from None
 
 
 class Uploader:
@@ -196,7 +194,7 @@ class Uploader:
         except Exception as err:  # noqa: BLE001 - the store being away never stops training: retry with backoff
             self.failures += 1
             self.status["failures"] += 1
-            self.status["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            self.status["error"] = error_line(err)
             delay = min(BACKOFF_MAX_S, 2.0 ** self.failures)
             self.next_try = time.monotonic() + delay
             log(f"upload failed ({self.status['error']}); trying again in {delay:.0f}s")
@@ -519,9 +517,8 @@ def newest_committed(uploader: Uploader, settings: Settings, local: str | None) 
             committed = uploader.commit_whole(found)
         except Exception as err:  # noqa: BLE001 - the store away for a moment: asked again until the deadline
             if time.monotonic() >= deadline:
-                reason = str(err).splitlines()[0][:200] if str(err) else ""
                 raise StoreError(f"{settings.bucket}: the release's checkpoints cannot be listed "
-                                 f"({type(err).__name__}: {reason})") from None
+                                 f"({error_line(err)})") from None
             time.sleep(POLL_S)
             continue
         floor = max((checkpoints.order(t) for t in [*committed[:1], *([local] if local else [])]), default=None)

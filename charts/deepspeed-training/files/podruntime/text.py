@@ -35,6 +35,13 @@ class Log:
             self(message)
 
 
+def error_line(err: BaseException, limit: int = 200) -> str:
+    """An exception for one line of a message: `TypeName: the first line of its text` (at most `limit` characters
+    of it), or the type's name alone when it has no text."""
+    first = str(err).splitlines()[0][:limit] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
 def lines(text):
     """The lines of a log, split on the newline alone (str or bytes): a tenant's U+2028, form feed or carriage
     return stays inside its line, so no rank's text can start a line of its own where the tagger's tag is trusted."""
