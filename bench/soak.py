@@ -192,7 +192,7 @@ def main() -> int:
         print(f"soak: {namespace}, {args.mode}, training; a fault every {args.fault_every:.0f}s for "
               f"{args.minutes:.0f} minutes", flush=True)
         end = installed + 60 * args.minutes
-        faults, next_at, turn = [], time.time() + args.fault_every, 0
+        faults, next_at, turn, seen_fault = [], time.time() + args.fault_every, 0, ""
         while time.time() < end:
             time.sleep(max(0.0, min(next_at, end) - time.time()))
             if time.time() >= end:
@@ -203,9 +203,15 @@ def main() -> int:
             inject(kind, namespace, args.mode)
             step, back = tier.wait_for(lambda at=at: log.recovery(at), 900, f"training past its step after {kind}",
                                        lambda: tier.diagnose(namespace))
-            faults.append({"kind": kind, "at": at, "step": step, "loss": back - at})
-            print(f"soak: {kind}: stopped at step {step}, training past it {back - at:.1f}s after the fault",
-                  flush=True)
+            # The chart's own split of the loss (the progress ConfigMap's lastFault, rank 0's after the retry's
+            # first step), once it names an attempt after the one before.
+            parts = tier.wait_for(lambda seen=seen_fault: (line := tier.progress_data(namespace).get("lastFault", ""))
+                                  != seen and line, 60, f"the chart's split of {kind}'s loss",
+                                  lambda: str(tier.progress_data(namespace)))
+            seen_fault = parts
+            faults.append({"kind": kind, "at": at, "step": step, "loss": back - at, "chart": parts})
+            print(f"soak: {kind}: stopped at step {step}, training past it {back - at:.1f}s after the fault; the "
+                  f"chart: {parts}", flush=True)
             next_at = max(at + args.fault_every, time.time() + args.settle)
         time.sleep(10)  # the sidecar's last publication (at most every 2 s) of rank 0's newest record
         goodput = chart_goodput(namespace)
