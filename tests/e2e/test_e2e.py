@@ -247,6 +247,9 @@ def test_a_worker_pod_that_gets_sigterm_is_a_preemption_on_the_charts_default_st
                  "the next attempt, the budget untouched", launcher.log)
         log = launcher.log()
         assert "got SIGTERM: attempt 1 is a preemption" in log
+        # Its ranks end with the pod: the clean-up after the run leaves it out (the meeting clears its successor).
+        going = workers[1].hostname.split(".")[0]
+        assert f"clearing ranks still running on the workers (not on {going}: its pod is going away)" in log, log
         stopped = re.findall(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)", log)
         assert stopped and stopped[-1][0] == stopped[-1][1], log[-3000:]  # the ranks saved the step they stopped at
         assert run.poll() is None  # the launcher waits for the worker to come back

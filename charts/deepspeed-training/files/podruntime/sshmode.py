@@ -346,9 +346,19 @@ class Launcher:
                         for i in sorted(self.vanished)]
 
     def clear(self) -> None:
-        self.log("clearing ranks still running on the workers")
-        for line in lines(pdsh(self.hosts, [STOP_RANKS], self.env).stdout):
-            print(line, flush=True)
+        """The ranks a run left on its workers stopped (one pdsh round), but not on a worker whose pod is going away
+        (its SIGTERM came over the channel, or its channel dropped mid-run): its ranks end with the pod, and once its
+        network is gone pdsh would wait its whole connect timeout for it (10 s in the soak, bench/soak.py). The
+        meeting clears whatever pod answers to that name next."""
+        going = sorted(self.stopping | self.vanished)
+        hosts = [name for i, name in enumerate(self.hosts) if i not in going]
+        left_out = ", ".join(self.hosts[i].split(".")[0] for i in going[:5]) + (" ..." if len(going) > 5 else "")
+        self.log("clearing ranks still running on the workers" +
+                 (f" (not on {left_out}: {'its pod is' if len(going) == 1 else 'their pods are'} going away)"
+                  if going else ""))
+        if hosts:
+            for line in lines(pdsh(hosts, [STOP_RANKS], self.env).stdout):
+                print(line, flush=True)
         self.log("starting the run again, from the last complete checkpoint, if the job's failure budget allows")
 
     def preempted(self, who: str) -> None:
