@@ -144,6 +144,17 @@ def test_while_worker_0_waits_at_the_start_barrier_the_verdict_says_for_whom_and
     assert workers.verdict()["state"] == "starting"
 
 
+def test_when_the_start_barriers_wait_runs_out_the_verdict_says_the_job_failed_and_for_whom(tmp_path):
+    """The job's last word once worker 0 gives up on a missing worker: failed, who, and the limit; never the wait's
+    "n s more" left standing after the job ended."""
+    workers = Workers(tmp_path, only=(0,), DS_WAIT_TIMEOUT_SECONDS="6")
+    assert workers.wait() == [1], workers.log(0)[-2000:]
+    verdict = workers.verdict()
+    assert verdict["state"] == "failed", verdict
+    assert verdict["reason"] == ("1 of 2 workers did not reach the start barrier within 6s (job.waitTimeoutSeconds): "
+                                 "localhost"), verdict
+
+
 def test_a_worker_whose_run_ended_well_may_leave_before_worker_0s_ends(tmp_path):
     """Worker 1's run ends well and its pod's loop exits while worker 0's rank still finishes (its last save): that
     is no host leaving a run (no halt, no node-lost), and the job completes."""

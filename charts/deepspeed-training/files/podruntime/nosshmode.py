@@ -176,23 +176,30 @@ class Worker:
         def missing() -> list[int]:
             return sorted(self.workers - self.ready)
 
-        def waiting(left: float) -> None:
-            shown = ", ".join(self.hosts[i].split(".")[0] for i in missing()[:5])
+        def names() -> str:
             more = f" ... (+{len(missing()) - 5} more)" if len(missing()) > 5 else ""
-            self.barrier_log(f"{len(self.hosts) - len(missing())}/{len(self.hosts)} here; waiting for {shown}{more} "
+            return ", ".join(self.hosts[i].split(".")[0] for i in missing()[:5]) + more
+
+        def waiting(left: float) -> None:
+            self.barrier_log(f"{len(self.hosts) - len(missing())}/{len(self.hosts)} here; waiting for {names()} "
                              f"({left:.0f}s left)")
             # Where the job stands, for the progress ConfigMap and `make why`: who it waits for, and how long yet.
             self.ledger.say_waiting(f"the start barrier waits for {len(missing())} of {len(self.hosts)} "
-                                    f"workers ({shown}{more}): {left:.0f}s more, then the job fails "
+                                    f"workers ({names()}): {left:.0f}s more, then the job fails "
                                     "(job.waitTimeoutSeconds)")
 
         self.barrier_log(f"waiting up to {self.timeout:.0f}s for {len(self.workers)} workers on port {self.port}")
         with self.changed:  # held from the last join to the last `go`: a worker lost meanwhile is waited for again
             if not self.wait_until(lambda: not missing(), deadline, waiting):
+                if self.stopped.is_set():
+                    return 1  # a stop (the loop says so), not a missing worker
                 self.barrier_log(f"ERROR: {len(missing())} of {len(self.hosts)} workers did not reach the start "
                                  "barrier:")
                 for i in missing()[:20]:
                     self.barrier_log(f"  {self.hosts[i]}")
+                # The job's last word: the barrier's wait is over, not "n s more" (the progress ConfigMap, make why).
+                self.ledger.say("failed", f"{len(missing())} of {len(self.hosts)} workers did not reach the start "
+                                f"barrier within {self.timeout:.0f}s (job.waitTimeoutSeconds): {names()}")
                 return 1
             began = self.ledger.begin()
             ready, self.ready = self.ready, set()
