@@ -191,11 +191,11 @@ def inject(case: Case, cluster: Cluster, victim_pod, owner_process, log):
             cluster.kill(victim_pod)
         return cluster.start(victim_pod, log_name=f"{victim_pod.name}-new", new_pod=True)
     time.sleep(0.5 if case.program == "train" else 0)
-    if case.fault == "sigterm":
-        target = owner_process if case.mode == "ssh" else None
-        if target is None:
-            target = victim_pod.process
-        cluster.signal_main(target, signal.SIGTERM)
+    if case.fault == "sigterm":  # the job preempted: ssh, its launcher's pod; nossh, every worker's (one worker's
+        # pod alone is the pod-deleted case: the Job controller replaces it and the job goes on)
+        targets = [owner_process] if case.mode == "ssh" else [pod.process for pod in cluster.pods_of("worker")]
+        for target in targets:
+            cluster.signal_main(target, signal.SIGTERM)
         return None
     pids = cluster.rank_pids(victim_pod, ranks_only=True)
     assert pids, "no rank on the second worker"
