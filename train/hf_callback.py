@@ -13,7 +13,6 @@ any callback (`on_train_begin`), so it counts as start-up here; and an evaluatio
 buckets, shows as unaccounted."""
 
 import os
-import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -36,36 +35,30 @@ def mark_latest(directory: Path, step: int) -> None:
 class RankHeartbeat(TrainerCallback):
     def __init__(self):
         self._reporter: Reporter | None = None
-        # Wall time a step's time counts from: the end of the step before it, or of the save or evaluation after
-        # that step (the Trainer fetches a step's batches before on_step_begin, so that hook would leave them out).
-        self._mark = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         # The Trainer has loaded its checkpoint by now: global_step is where it resumed.
         self._reporter = Reporter(Path(os.environ.get("DS_CHECKPOINT_DIR") or args.output_dir),
                                   0 if state.is_world_process_zero else 1)
         self._reporter.resumed(state.global_step, state.max_steps or None, restore_s=0.0)
-        self._mark = time.time()
+        # The first step counts from here, not on_step_begin: the Trainer fetches a step's batches before that hook.
+        self._reporter.step_begins()
 
     def on_step_end(self, args, state, control, **kwargs):
-        now = time.time()
-        fault = self._reporter.step(state.global_step, self._mark, now - self._mark)
+        fault = self._reporter.step(state.global_step)
         if fault:
             print(fault, flush=True)  # the first step of a retry: what the fault before it cost, by its parts
-        self._mark = now
         if control.should_save:  # the Trainer's own flow callback, which runs first, asked for a save next
             self._reporter.saving(state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_local_process_zero and os.environ.get(checkpoint.STORAGE_ENV) == checkpoint.PER_WORKER:
             mark_latest(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", state.global_step)
-        now = time.time()
-        self._reporter.saved(state.global_step, now - self._mark)
-        self._mark = now
+        self._reporter.saved(state.global_step)
         rankstate.publish(checkpoint_step=state.global_step)
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self._mark = time.time()  # evaluation is not a step
+        self._reporter.not_a_step()  # evaluation
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}

@@ -26,9 +26,10 @@ from train.goodput import published as goodput_fields
 
 
 class Reporter:
-    """One rank's reports, for any program: call resumed() once its checkpoint is loaded, step() after every step,
-    saving() and saved() around a checkpoint save, progress() whenever it logs figures, end() at its end. Rank 0
-    keeps the job's goodput records in `checkpoint_dir` (none without one) and publishes its progress."""
+    """One rank's reports, for any program: call resumed() once its checkpoint is loaded, step_begins() before its
+    first step, step() after every step, saving() and saved() around a checkpoint save, progress() whenever it logs
+    figures, end() at its end. Rank 0 keeps the job's goodput records in `checkpoint_dir` (none without one) and
+    publishes its progress."""
 
     def __init__(self, checkpoint_dir: Path | None, rank: int):
         self.checkpoint_dir, self.rank = checkpoint_dir, rank
@@ -36,6 +37,7 @@ class Reporter:
         self.restore_started = time.perf_counter()
         self.steps: int | None = None
         self.start = (0, time.perf_counter())  # (the step it resumed at, when)
+        self.mark: tuple[float, float] | None = None  # (wall, perf_counter) the next step's time counts from
 
     def restoring(self) -> None:
         rankstate.report("restoring")  # a long load (or a universal conversion) is not a hang
@@ -54,11 +56,29 @@ class Reporter:
         rankstate.publish(steps=steps or None, checkpoint_step=start_step or None)
         rankstate.report("starting")
 
-    def step(self, step: int, started: float, seconds: float, beat: bool = True) -> str | None:
-        """A step that started at wall time `started` took `seconds`; `beat`: the heartbeat too (not while
-        stopping). After the first step of a retry, rank 0 publishes the fault's loss by its parts and returns its
-        line."""
+    def step_begins(self) -> None:
+        """The first step's time counts from here (what came before it is start-up); every later one's from the end
+        of the step or save before it, so that the program's own work between steps (its report, a background save's
+        poll, a Trainer's batch fetch) is the steps' time, as a stopwatch sees it, not time the job's goodput leaves
+        unaccounted. Later calls change nothing."""
+        if self.mark is None:
+            self.mark = (time.time(), time.perf_counter())
+
+    def not_a_step(self) -> None:
+        """The time since the mark was no step nor save (an evaluation): counted in neither."""
+        self.mark = (time.time(), time.perf_counter())
+
+    def _since_mark(self) -> tuple[float, float]:
+        """(when the time since the mark began, wall; its seconds), the mark moved to now."""
+        (started, since), now = self.mark or (time.time(), time.perf_counter()), time.perf_counter()
+        self.mark = (started + now - since, now)
+        return started, now - since
+
+    def step(self, step: int, beat: bool = True) -> str | None:
+        """A step ended (its time: since the mark, step_begins); `beat`: the heartbeat too (not while stopping).
+        After the first step of a retry, rank 0 publishes the fault's loss by its parts and returns its line."""
         first = self.goodput is not None and self.goodput.record["first_step"] is None
+        started, seconds = self._since_mark()
         if self.goodput:
             self.goodput.step(step, started, seconds)
         if beat:
@@ -75,8 +95,10 @@ class Reporter:
     def saving(self, step: int) -> None:
         rankstate.report("saving", step)  # judged by the checkpoint budget, not the step budget
 
-    def saved(self, step: int, stall: float, beat: bool = True) -> None:
-        """A save at `step` that held the steps `stall` seconds; the next step's budget starts now."""
+    def saved(self, step: int, beat: bool = True) -> None:
+        """A save at `step` ended: the time since the step before it (the save's stall and the loop's work beside it)
+        is the save's; the next step's budget starts now."""
+        stall = self._since_mark()[1]
         if self.goodput:
             self.goodput.saved(step, stall)
         if beat:
@@ -217,7 +239,6 @@ class RunReport:
         self.reporter = Reporter(run.checkpoint_dir, run.rank)
         self.progress: Progress | None = None
         self.stragglers = Stragglers(logger, run.hosts)
-        self.mark: tuple[float, float] | None = None  # (wall, perf_counter) the next step's time counts from
 
     def restoring(self) -> None:
         self.reporter.restoring()
@@ -231,22 +252,11 @@ class RunReport:
                                  lambda tokens_per_s: run.use.of(tokens_per_s, run.world_size))
 
     def step_begins(self) -> None:
-        """The first step's time counts from its own start (what came before it is start-up); every later one's from
-        the end of the step or save before it, so that the step loop's own work between steps (this report, a
-        background save's poll) is the steps' time, as a stopwatch sees it, instead of time the job's goodput
-        leaves unaccounted (train/hf_callback.py counts the Trainer's steps so too)."""
-        if self.mark is None:
-            self.mark = (time.time(), time.perf_counter())
-
-    def _since_mark(self) -> tuple[float, float]:
-        """(when the time since the mark began, wall; its seconds), the mark moved to now."""
-        (started, since), now = self.mark or (time.time(), time.perf_counter()), time.perf_counter()
-        self.mark = (started + now - since, now)
-        return started, now - since
+        self.reporter.step_begins()  # the first step's own start; later steps count from the one before
 
     def step(self, step: int, loss: float, lr: float, compute: list[float], stopping: bool, engine) -> None:
         """A finished step: its loss (the mean over ranks), every rank's own compute time, whether the ranks stop."""
-        fault = self.reporter.step(step, *self._since_mark(), beat=not stopping)
+        fault = self.reporter.step(step, beat=not stopping)
         if fault:
             self.logger.info(fault)
         self.losses.append((step, loss))
@@ -261,7 +271,7 @@ class RunReport:
         background, which committed() reports)."""
         self.progress.pause(stall)
         rankstate.publish(checkpoint_save_s=round(stall, 3))
-        self.reporter.saved(step, self._since_mark()[1], beat=not stopping)  # the stall and the loop's work beside it
+        self.reporter.saved(step, beat=not stopping)
 
     def committed(self, committed: dict) -> None:
         """A checkpoint every rank can resume from: its commit record is written."""
